@@ -1,0 +1,46 @@
+"""paraml: multi-device training on TensorFlow/Keras 3 with one word.
+
+>>> from paraml import Parallel
+>>> par = Parallel("single")
+>>> par.strategy
+'single'
+
+Public names are imported on first use, so ``paraml launch`` (which only starts processes) never loads TensorFlow.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import TYPE_CHECKING, Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up chatter hides paraml's output
+
+__version__ = "0.1.0"
+
+#: public name -> module that defines it
+_EXPORTS = {
+    "Parallel": "parallel",
+    "simulate_devices": "devices",
+    "list_devices": "devices",
+    "load_digits": "datasets",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .datasets import load_digits
+    from .devices import list_devices, simulate_devices
+    from .parallel import Parallel
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'paraml' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

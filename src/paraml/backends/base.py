@@ -1,0 +1,113 @@
+"""The contract every backend fulfils.
+
+A backend answers four questions for the one training loop in :mod:`paraml.training`: under which scope are the
+model's variables created (and where do they live), how does a global batch reach the devices, how is a
+per-replica function run, and how are values combined across replicas. It knows nothing of epochs, callbacks or
+metrics; the loop knows nothing of devices.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
+
+import keras
+import tensorflow as tf
+
+__all__ = ["Backend", "Objective"]
+
+#: ``objective(y_pred, y, sample_weight, first) -> scalar``: the loss to differentiate for (a part of) a replica's
+#: batch. ``first`` is True for exactly one part per step (where per-step terms such as regularisation are added).
+Objective = Callable[[Any, Any, tf.Tensor, bool], tf.Tensor]
+
+
+class Backend(abc.ABC):
+    """Base class of paraml's backends; one subclass per strategy name, registered in :mod:`.registry`.
+
+    Subclasses set ``name``, list the keyword options they accept in ``option_names`` and implement the abstract
+    methods. ``forward`` and ``gradients`` have data-parallel defaults (the whole model on each replica); a backend
+    that splits the model across devices overrides them.
+    """
+
+    #: The strategy name users pass to ``Parallel``.
+    name: ClassVar[str] = ""
+    #: Keyword options this backend accepts (anything else is rejected before training starts).
+    option_names: ClassVar[tuple[str, ...]] = ()
+    #: Whether ``devices=None`` means "every local device" (True) or "the first device" (False).
+    uses_all_devices: ClassVar[bool] = True
+
+    def __init__(self, devices: Sequence[str], **options: Any) -> None:
+        self.devices: tuple[str, ...] = tuple(devices)
+        self.options: Mapping[str, Any] = dict(options)
+
+    # -- who am I (multi-worker backends override these) --------------------------------------------------------
+    @property
+    def num_replicas(self) -> int:
+        """How many copies of the model compute on a global batch at once (over all workers)."""
+        return len(self.devices)
+
+    @property
+    def num_workers(self) -> int:
+        """How many processes take part in training."""
+        return 1
+
+    @property
+    def worker_index(self) -> int:
+        """This process's index among the workers (0 is the chief)."""
+        return 0
+
+    @property
+    def is_chief(self) -> bool:
+        """True in the one process that writes files that must exist once (checkpoints, logs)."""
+        return self.worker_index == 0
+
+    # -- placement -----------------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def scope(self) -> AbstractContextManager[Any]:
+        """The context under which the model, its optimizer and metrics create their variables."""
+
+    def metrics_scope(self) -> AbstractContextManager[Any]:
+        """The context under which metric variables (summed across replicas) are created; default :meth:`scope`."""
+        return self.scope()
+
+    def build_model(self, model_fn: Callable[[], keras.Model]) -> keras.Model:
+        """Call ``model_fn`` so that the model's variables live where this backend wants them."""
+        with self.scope():
+            return model_fn()
+
+    # -- data and execution --------------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def distribute(self, dataset: tf.data.Dataset) -> Iterable[Any]:
+        """Turn a dataset of global batches into what :meth:`run` takes, one element per step."""
+
+    @abc.abstractmethod
+    def run(self, fn: Callable[..., Any], args: Sequence[Any]) -> Any:
+        """Run ``fn(*args)`` once per replica on that replica's part of the batch (inside ``tf.function``)."""
+
+    @abc.abstractmethod
+    def all_reduce_sum(self, value: tf.Tensor) -> tf.Tensor:
+        """Sum ``value`` over all replicas; called inside ``fn`` of :meth:`run` (replica context)."""
+
+    @abc.abstractmethod
+    def gather(self, value: Any) -> tf.Tensor:
+        """Concatenate the per-replica ``value`` returned by :meth:`run` along axis 0, in replica order."""
+
+    # -- computation (data-parallel defaults) ---------------------------------------------------------------------
+    def forward(self, model: keras.Model, x: Any, training: bool) -> Any:
+        """The model's output for ``x`` on this replica."""
+        return model(x, training=training)
+
+    def gradients(
+        self, model: keras.Model, x: Any, y: Any, sample_weight: tf.Tensor, objective: Objective
+    ) -> tuple[list[tf.Tensor], Any]:
+        """Gradients of ``objective`` with respect to the trainable variables, and the model's output."""
+        with tf.GradientTape() as tape:
+            y_pred = self.forward(model, x, training=True)
+            loss = objective(y_pred, y, sample_weight, True)
+        return tape.gradient(loss, model.trainable_variables), y_pred
+
+    def describe(self) -> str:
+        """A one-line human description of the backend and its devices."""
+        return f"{self.name} on {len(self.devices)} device(s): {', '.join(self.devices)}"

@@ -1,0 +1,75 @@
+"""The ``paraml`` command: a thin argparse front over the library (demo, devices, launch)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _demo(ns: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    results = run_demo(num_devices=ns.devices, epochs=ns.epochs, batch_size=ns.batch_size)
+    worst = min(r.accuracy for r in results)
+    return 0 if worst >= ns.min_accuracy else 1
+
+
+def _devices(ns: argparse.Namespace) -> int:
+    from .devices import describe_devices, simulate_devices
+    from .memory import format_bytes
+
+    if ns.simulate:
+        simulate_devices(ns.simulate)
+    print(f"{'device':<20}{'type':<6}{'memory':>12}")
+    for info in describe_devices():
+        memory = format_bytes(info.memory_bytes) if info.memory_bytes else "unknown"
+        print(f"{info.name:<20}{info.device_type:<6}{memory:>12}")
+    return 0
+
+
+def _launch(ns: argparse.Namespace) -> int:
+    from . import launch
+
+    return launch.run_from_args(ns)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``paraml`` command."""
+    parser = argparse.ArgumentParser(prog="paraml", description="Multi-device training on TensorFlow/Keras 3.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="train on the shipped digits data under every backend")
+    demo.add_argument("--devices", type=int, default=2, help="devices to simulate and use (default 2)")
+    demo.add_argument("--epochs", type=int, default=20)
+    demo.add_argument("--batch-size", type=int, default=64)
+    demo.add_argument("--min-accuracy", type=float, default=0.9, help="exit 1 if any backend ends below this")
+    demo.set_defaults(run=_demo)
+
+    devices = commands.add_parser("devices", help="list local devices and their memory")
+    devices.add_argument("--simulate", type=int, default=0, help="split the machine into N logical devices first")
+    devices.set_defaults(run=_devices)
+
+    from . import launch
+
+    launcher = commands.add_parser("launch", help="run a script on N local workers (multi_worker)")
+    launch.add_arguments(launcher)
+    launcher.set_defaults(run=_launch)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``paraml`` and ``python -m paraml``; returns the exit code."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return int(ns.run(ns))
+    except (ValueError, RuntimeError, FileNotFoundError) as error:
+        print(f"paraml {ns.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Input: numpy arrays, dicts of arrays or a ``tf.data.Dataset`` -> a dataset of global batches.
+
+Every element the training loop sees is ``(x, y, sample_weight)`` for one *global* batch. The sample weight
+marks real samples: backends may split a final, short batch unevenly across replicas (some replicas get fewer or no
+samples), and the loop divides by the all-reduced sum of weights, so that batch is neither dropped nor counted
+twice.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+__all__ = ["GlobalBatches", "global_batches"]
+
+
+@dataclass(frozen=True)
+class GlobalBatches:
+    """A source of global batches for one call of fit/evaluate/predict.
+
+    ``dataset(epoch)`` gives the epoch's batches (shuffled with a seed that depends only on the seed and the epoch,
+    so a resumed run sees the same order); ``steps`` is the number of batches per epoch when known.
+    """
+
+    base: tf.data.Dataset
+    steps: int | None
+    num_samples: int | None
+    shuffle: bool
+    seed: int
+    batch_size: int | None
+
+    def dataset(self, epoch: int = 0) -> tf.data.Dataset:
+        """The dataset of ``(x, y, sample_weight)`` global batches for ``epoch``."""
+        ds = self.base
+        if self.batch_size is not None:  # built from arrays: shuffle samples, then batch
+            if self.shuffle:
+                ds = ds.shuffle(self.num_samples or 1, seed=epoch_seed(self.seed, epoch), reshuffle_each_iteration=False)
+            ds = ds.batch(self.batch_size)
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+        return ds.with_options(options).prefetch(tf.data.AUTOTUNE)
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """A shuffle seed for ``epoch`` that depends only on ``seed`` and ``epoch`` (stable across processes)."""
+    return zlib.crc32(f"{seed}:{epoch}".encode()) & 0x7FFFFFFF
+
+
+def _num_rows(value: Any, what: str) -> int:
+    lengths = {len(v) for v in tf.nest.flatten(value)}
+    if len(lengths) != 1:
+        raise ValueError(f"the arrays in {what} have different lengths: {sorted(lengths)}")
+    return lengths.pop()
+
+
+def _as_arrays(value: Any) -> Any:
+    """numpy (or nested dicts/lists of them) with float64 turned into float32, as Keras does."""
+
+    def convert(array: Any) -> np.ndarray:
+        array = np.asarray(array)
+        return array.astype(np.float32) if array.dtype == np.float64 else array
+
+    if isinstance(value, Mapping):
+        return {k: _as_arrays(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and value and not np.isscalar(value[0]) and np.ndim(value[0]) > 0:
+        return type(value)(convert(v) for v in value)
+    return convert(value)
+
+
+def global_batches(
+    x: Any,
+    y: Any = None,
+    *,
+    batch_size: int,
+    num_replicas: int,
+    shuffle: bool = False,
+    seed: int = 0,
+    need_targets: bool = True,
+) -> GlobalBatches:
+    """Validate the user's input and wrap it as :class:`GlobalBatches`.
+
+    Raises ``ValueError`` (before any training) for a batch size that is not an int or is smaller than the number
+    of replicas, x and y of different lengths, a missing y, or y given with a dataset.
+    """
+    if isinstance(x, tf.data.Dataset):
+        if y is not None:
+            raise ValueError("y must be None when x is a tf.data.Dataset (the dataset yields (x, y) batches)")
+        return _from_dataset(x, need_targets)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if batch_size < num_replicas:
+        raise ValueError(
+            f"batch_size={batch_size} is smaller than the number of replicas ({num_replicas}): batch_size is the "
+            f"global batch, split across replicas; use at least {num_replicas}"
+        )
+    if x is None:
+        raise ValueError("x is None: pass the inputs as a numpy array, a dict of arrays or a tf.data.Dataset")
+    x = _as_arrays(x)
+    n = _num_rows(x, "x")
+    if y is None:
+        if need_targets:
+            raise ValueError("y is None: pass the targets, or x as a tf.data.Dataset of (x, y) batches")
+        y = np.zeros((n,), np.float32)  # a placeholder so every element has the same structure
+    else:
+        y = _as_arrays(y)
+        ny = _num_rows(y, "y")
+        if ny != n:
+            raise ValueError(f"x and y have different lengths: x has {n} samples, y has {ny}")
+    if n == 0:
+        raise ValueError("x is empty: there is nothing to train on")
+    weights = np.ones((n,), np.float32)
+    base = tf.data.Dataset.from_tensor_slices((x, y, weights))
+    return GlobalBatches(base, -(-n // batch_size), n, shuffle, seed, batch_size)
+
+
+def _from_dataset(ds: tf.data.Dataset, need_targets: bool) -> GlobalBatches:
+    """A user's dataset of batches: ``x``, ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)`` per element."""
+    spec = ds.element_spec
+    arity = len(spec) if isinstance(spec, tuple) else 1
+    if need_targets and arity < 2:
+        raise ValueError("the dataset yields no targets: each element must be (x, y) or (x, y, sample_weight)")
+
+    def add_weights(*element: Any) -> tuple[Any, Any, tf.Tensor]:
+        x = element[0]
+        n = tf.shape(tf.nest.flatten(x)[0])[0]
+        y = element[1] if len(element) > 1 else tf.zeros((n,), tf.float32)
+        w = tf.cast(element[2], tf.float32) if len(element) > 2 else tf.ones((n,), tf.float32)
+        return x, y, w
+
+    mapped = ds.map(add_weights if arity > 1 else (lambda x: add_weights(x)))
+    cardinality = int(ds.cardinality())
+    steps = cardinality if cardinality >= 0 else None
+    return GlobalBatches(mapped, steps, None, False, 0, None)

@@ -1,0 +1,461 @@
+"""Local multi-worker launcher: ``paraml launch -n 2 train.py --lr 0.1``.
+
+Like ``torchrun`` or ``accelerate launch`` on a single machine: it starts N copies
+of a training script, gives each a ``TF_CONFIG`` describing a loopback cluster,
+streams their output with a ``[worker i]`` prefix, and supervises them.
+
+Why a supervisor is needed: when one worker of a TensorFlow multi-worker run dies,
+the others only notice if they are inside a collective (TF aborts them after
+~15 s). A worker stuck elsewhere (data loading, a sleep, a deadlock in user code)
+waits forever. So as soon as one worker fails, the launcher terminates every
+other worker's whole process group, escalating to SIGKILL after a grace period.
+
+POSIX only (process groups, ``killpg``). This module does not import TensorFlow.
+
+Example:
+    >>> import sys
+    >>> from paraml.launch import launch
+    >>> code = launch("train.py", ["--epochs", "1"], num_workers=2)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import IO, TextIO
+
+from paraml.cluster import make_tf_config
+
+__all__ = [
+    "PortUnavailableError",
+    "add_arguments",
+    "find_free_ports",
+    "launch",
+    "main",
+    "run_from_args",
+]
+
+_HOST = "127.0.0.1"  # workers only ever listen on / advertise loopback
+_POLL_INTERVAL = 0.05  # seconds between supervision polls
+# Seconds to wait for output to drain after the workers are gone.
+_READER_JOIN_TIMEOUT = 5.0
+_PREFIX = "[paraml launch]"
+
+
+class PortUnavailableError(OSError):
+    """A port requested with ``--port`` cannot be bound on 127.0.0.1.
+
+    Subclasses :class:`OSError` so it can be handled like the bind error behind it.
+
+    Example:
+        >>> raise PortUnavailableError("port 2222 on 127.0.0.1 is already in use")  # doctest: +SKIP
+    """
+
+
+class _Terminated(BaseException):
+    """Raised in the main thread when the launcher receives SIGTERM.
+
+    A BaseException (like KeyboardInterrupt) so that nothing swallows it by accident.
+    """
+
+
+def find_free_ports(n: int, host: str = _HOST) -> list[int]:
+    """Return ``n`` distinct ports that are currently free on ``host``.
+
+    All ``n`` sockets are bound to port 0 at the same time (so the kernel cannot
+    hand out the same port twice), their ports are read, then they are closed.
+    Another process could still grab a port before a worker binds it; that race
+    is inherent and rare in practice.
+
+    Example:
+        >>> ports = find_free_ports(2)
+        >>> len(set(ports))
+        2
+    """
+    if n < 0:
+        raise ValueError(f"find_free_ports: n must be >= 0, got {n}")
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _check_ports_free(first: int, n: int) -> list[int]:
+    last = first + n - 1
+    if not 1 <= first <= 65535 or last > 65535:
+        raise ValueError(
+            f"--port {first} with {n} worker(s) needs ports {first}..{last}, "
+            "which must all lie in 1..65535"
+        )
+    ports = list(range(first, last + 1))
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            # The workers' gRPC servers set SO_REUSEADDR, so a port in TIME_WAIT is
+            # usable by them; check the same way to avoid false "in use" reports.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((_HOST, port))
+            except OSError as exc:
+                raise PortUnavailableError(
+                    exc.errno,
+                    f"port {port} on {_HOST} is not available ({exc.strerror}); "
+                    f"workers need ports {first}..{last}. Choose another --port or omit it "
+                    "to pick free ports automatically",
+                ) from exc
+    return ports
+
+
+def _exit_code(proc: subprocess.Popen[bytes]) -> int | None:
+    """Exit code of ``proc`` if it has exited (128+signum if killed), else None.
+
+    Uses ``waitid(WNOWAIT)`` so the child stays a zombie until we reap it at the end:
+    while it is unreaped, its PID (which is also its process-group ID) cannot be
+    reused, so a later ``killpg`` can never hit an unrelated process group.
+    """
+    if proc.returncode is not None:
+        code = proc.returncode
+    elif hasattr(os, "waitid"):
+        try:
+            info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # already reaped elsewhere
+            code = proc.wait()
+        else:
+            if info is None or info.si_pid == 0:
+                return None
+            if info.si_code == os.CLD_EXITED:
+                return info.si_status
+            return 128 + info.si_status
+    else:  # pragma: no cover - platforms without waitid
+        code = proc.poll()
+        if code is None:
+            return None
+    return 128 - code if code < 0 else code
+
+
+def _describe_exit(code: int) -> str:
+    if code > 128 and code - 128 < signal.NSIG:
+        try:
+            name = signal.Signals(code - 128).name
+        except ValueError:
+            name = f"signal {code - 128}"
+        return f"was killed by {name} (exit code {code})"
+    return f"exited with code {code}"
+
+
+def _signal_groups(procs: Sequence[subprocess.Popen[bytes]], sig: int) -> None:
+    for proc in procs:
+        if proc.returncode is not None:
+            continue  # reaped: its PGID may belong to someone else now
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            # Group already empty (or only a zombie leader, which macOS reports as EPERM).
+            pass
+
+
+class _Output:
+    """Serialises whole lines from many threads onto one text stream."""
+
+    def __init__(self, out: TextIO) -> None:
+        self._out = out
+        self._lock = threading.Lock()
+
+    def line(self, text: str) -> None:
+        with self._lock:
+            try:
+                self._out.write(text if text.endswith("\n") else text + "\n")
+                self._out.flush()
+            except (OSError, ValueError):
+                pass  # stream closed (e.g. broken pipe): drop the output
+
+
+def _pump(pipe: IO[bytes], prefix: str, output: _Output) -> None:
+    with pipe:
+        for raw in iter(pipe.readline, b""):
+            text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            output.line(prefix + text)
+
+
+def _stop(
+    procs: Sequence[subprocess.Popen[bytes]], sig: int, timeout: float, output: _Output
+) -> None:
+    """Send ``sig`` to every worker group, wait up to ``timeout`` s, then SIGKILL."""
+    _signal_groups(procs, sig)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(_exit_code(p) is not None for p in procs):
+            return
+        time.sleep(_POLL_INTERVAL)
+    stuck = [i for i, p in enumerate(procs) if _exit_code(p) is None]
+    if stuck:
+        names = ", ".join(map(str, stuck))
+        output.line(
+            f"{_PREFIX} worker(s) {names} still running after {timeout:g} s; killing them"
+        )
+    _signal_groups(procs, signal.SIGKILL)
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated()
+
+
+def launch(
+    script: str,
+    args: Sequence[str] = (),
+    num_workers: int = 2,
+    *,
+    port: int | None = None,
+    stop_timeout: float = 10.0,
+    python: str = sys.executable,
+    env: Mapping[str, str] | None = None,
+    out: TextIO | None = None,
+) -> int:
+    """Run ``num_workers`` copies of ``script`` as a local multi-worker cluster.
+
+    Each worker runs ``python -u script *args`` in its own process group, with the
+    launcher's environment (or ``env``) plus ``TF_CONFIG`` (a worker-only cluster on
+    127.0.0.1), ``PARAML_WORKER_INDEX``, ``PARAML_NUM_WORKERS`` and
+    ``PYTHONUNBUFFERED=1``. Every stdout/stderr line is written to ``out`` as
+    ``[worker i] line``.
+
+    When a worker fails (non-zero exit or killed by a signal), the others are sent
+    SIGTERM, given ``stop_timeout`` seconds, then SIGKILLed: they may be stuck
+    outside TensorFlow, where nothing else would ever stop them. Ctrl-C (SIGINT)
+    and SIGTERM sent to the launcher are forwarded the same way. No worker is left
+    running when this function returns or raises.
+
+    Args:
+        script: Path of the Python script to run.
+        args: Arguments passed to the script.
+        num_workers: Number of worker processes (>= 1).
+        port: First port of a contiguous range ``port..port+num_workers-1`` to use;
+            by default free ports are picked automatically.
+        stop_timeout: Grace period in seconds between SIGTERM/SIGINT and SIGKILL.
+        python: Python interpreter to run the script with.
+        env: Base environment for the workers (default: ``os.environ``).
+        out: Where to write the workers' prefixed output (default: ``sys.stdout``
+            at call time, so that redirected/captured stdout is honoured).
+
+    Returns:
+        0 if every worker exited with 0; otherwise the exit code of the first worker
+        seen to fail (128+signum if it was killed by a signal); 130 after Ctrl-C,
+        143 after SIGTERM.
+
+    Raises:
+        ValueError: ``num_workers < 1``, ``stop_timeout < 0`` or a port range out of
+            1..65535.
+        TypeError: ``args`` is a single string instead of a sequence of strings.
+        FileNotFoundError: ``script`` does not exist.
+        PortUnavailableError: A port of the ``port`` range is already in use.
+
+    Example:
+        >>> launch("train.py", ["--epochs", "1"], num_workers=2)  # doctest: +SKIP
+        [worker 0] epoch 1 loss 0.31
+        [worker 1] epoch 1 loss 0.31
+        0
+    """
+    # --- validation: nothing is started unless all of it passes ---
+    if (
+        isinstance(num_workers, bool)
+        or not isinstance(num_workers, int)
+        or num_workers < 1
+    ):
+        raise ValueError(
+            f"the number of workers must be an integer >= 1, got {num_workers!r}"
+        )
+    if stop_timeout < 0:
+        raise ValueError(f"stop_timeout must be >= 0 seconds, got {stop_timeout!r}")
+    if isinstance(args, str):
+        raise TypeError(f"args must be a sequence of strings, not the string {args!r}")
+    if not os.path.isfile(script):
+        raise FileNotFoundError(f"script not found: {script}")
+    if not hasattr(os, "killpg"):  # pragma: no cover
+        raise OSError("paraml launch needs a POSIX system (process groups)")
+    if port is not None:
+        ports = _check_ports_free(port, num_workers)
+    else:
+        ports = find_free_ports(num_workers, _HOST)
+    addresses = [f"{_HOST}:{p}" for p in ports]
+    base_env = dict(os.environ if env is None else env)
+    command = [python, "-u", script, *args]
+    output = _Output(sys.stdout if out is None else out)
+
+    procs: list[subprocess.Popen[bytes]] = []
+    readers: list[threading.Thread] = []
+    previous_sigterm = None
+    installed_sigterm = False
+    try:
+        # Signal handlers can only be set from the main thread; elsewhere SIGTERM keeps
+        # its current disposition.
+        if threading.current_thread() is threading.main_thread():
+            previous_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
+            installed_sigterm = True
+        for index in range(num_workers):
+            worker_env = dict(base_env)
+            worker_env.update(
+                TF_CONFIG=make_tf_config(addresses, index),
+                PARAML_WORKER_INDEX=str(index),
+                PARAML_NUM_WORKERS=str(num_workers),
+                PYTHONUNBUFFERED="1",
+            )
+            proc = subprocess.Popen(
+                command,
+                env=worker_env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                # Own session = own process group: killpg reaches the worker's children
+                # too, and a terminal's Ctrl-C reaches only the launcher, which forwards it.
+                start_new_session=True,
+            )
+            procs.append(proc)
+            for pipe in (proc.stdout, proc.stderr):
+                assert pipe is not None
+                reader = threading.Thread(
+                    target=_pump,
+                    args=(pipe, f"[worker {index}] ", output),
+                    name=f"paraml-launch-worker{index}",
+                    daemon=True,
+                )
+                reader.start()
+                readers.append(reader)
+
+        # --- supervision ---
+        while True:
+            codes = [_exit_code(p) for p in procs]
+            for index, code in enumerate(codes):
+                if code is not None and code != 0:
+                    others = "; stopping the others" if num_workers > 1 else ""
+                    output.line(
+                        f"{_PREFIX} worker {index} {_describe_exit(code)}{others}"
+                    )
+                    _stop(procs, signal.SIGTERM, stop_timeout, output)
+                    return code
+            if all(code == 0 for code in codes):
+                return 0
+            time.sleep(_POLL_INTERVAL)
+    except (KeyboardInterrupt, _Terminated) as exc:
+        sig = signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM
+        output.line(f"{_PREFIX} received {sig.name}; stopping the workers")
+        _stop(procs, sig, stop_timeout, output)
+        return 128 + sig
+    finally:
+        # Kill first, then restore the SIGTERM handler, then reap: a signal arriving
+        # during the (blocking) reap can then no longer leave a worker running.
+        _signal_groups(procs, signal.SIGKILL)
+        if installed_sigterm:
+            signal.signal(
+                signal.SIGTERM,
+                signal.SIG_DFL if previous_sigterm is None else previous_sigterm,
+            )
+        for proc in procs:
+            proc.wait()
+        for reader in readers:
+            reader.join(_READER_JOIN_TIMEOUT)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``paraml launch`` options to ``parser`` (a parser or a subparser).
+
+    Use with :func:`run_from_args`:
+
+    Example:
+        >>> p = argparse.ArgumentParser(prog="paraml launch")
+        >>> add_arguments(p)
+        >>> ns = p.parse_args(["-n", "4", "train.py", "--lr", "0.1"])
+        >>> ns.num_workers, ns.script, ns.script_args
+        (4, 'train.py', ['--lr', '0.1'])
+    """
+    parser.add_argument(
+        "-n",
+        "--num-workers",
+        type=int,
+        default=2,
+        help="number of worker processes (default: 2)",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="first port of a contiguous range on 127.0.0.1 (default: pick free ports)",
+    )
+    parser.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=10.0,
+        help="seconds to wait after SIGTERM/SIGINT before killing workers (default: 10)",
+    )
+    parser.add_argument("script", help="Python training script to run on every worker")
+    parser.add_argument(
+        "script_args",
+        nargs=argparse.REMAINDER,
+        help="arguments passed to the script (everything after it)",
+    )
+
+
+def run_from_args(ns: argparse.Namespace) -> int:
+    """Run :func:`launch` from arguments parsed with :func:`add_arguments`.
+
+    Invalid input (bad worker count, missing script, port in use, ...) is
+    reported as one line ``paraml launch: error: ...`` on stderr, with exit code 2.
+
+    Example:
+        >>> p = argparse.ArgumentParser(prog="paraml launch")
+        >>> add_arguments(p)
+        >>> run_from_args(p.parse_args(["-n", "2", "train.py"]))  # doctest: +SKIP
+        0
+    """
+    try:
+        return launch(
+            ns.script,
+            ns.script_args,
+            ns.num_workers,
+            port=ns.port,
+            stop_timeout=ns.stop_timeout,
+        )
+    except (ValueError, OSError) as exc:  # FileNotFoundError is an OSError
+        message = (
+            exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        )
+        if isinstance(exc, FileNotFoundError) and exc.filename:
+            message = f"{message}: {exc.filename}"
+        print(f"paraml launch: error: {message}", file=sys.stderr)
+        return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``paraml launch`` / ``python -m paraml.launch``.
+
+    Returns the process exit code instead of exiting, so it can be tested and reused.
+
+    Example:
+        >>> main(["-n", "2", "train.py", "--lr", "0.1"])  # doctest: +SKIP
+        0
+    """
+    parser = argparse.ArgumentParser(
+        prog="paraml launch",
+        description="Run a training script on N local workers with TF_CONFIG set for each.",
+    )
+    add_arguments(parser)
+    try:
+        ns = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse usage error or --help
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    return run_from_args(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""The facade: ``Parallel(strategy, devices)`` picks a backend by name, owns the model and runs the one loop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+
+from . import backends
+from .backends.base import Backend
+from .data import GlobalBatches, global_batches
+from .devices import resolve_devices
+from .training import Trainer, make_optimizer, resolve_loss, resolve_metrics
+
+__all__ = ["Parallel"]
+
+#: Options every backend accepts; the backend's own ``option_names`` add to these.
+COMMON_OPTIONS = ("seed", "steps_per_execution")
+
+Verbose = int | str | bool
+
+
+def _verbosity(verbose: Verbose, default: int) -> int:
+    if verbose == "auto":
+        return default
+    if isinstance(verbose, bool) or verbose in (0, 1, 2):
+        return int(verbose)
+    raise ValueError(f"verbose must be 'auto', 0, 1 or 2, got {verbose!r}")
+
+
+class Parallel:
+    """Train one Keras model on several devices with one word: the strategy.
+
+    ``strategy`` picks the backend: ``"single"``, ``"mirrored"``, ``"central_storage"`` (and the others in
+    ``paraml.backends.available()``). ``devices=None`` means every local GPU, else the CPU (for data-parallel
+    strategies, every logical CPU); an int means the first N devices; a sequence names them (``["GPU:0", "GPU:1"]``).
+
+    Options: ``seed`` (initial weights and shuffling; the same seed gives the same weights on every backend),
+    ``steps_per_execution`` (steps run per ``tf.function`` call, for small models), and each backend's own (for
+    example ``parameter_device`` for ``central_storage``).
+
+    >>> import numpy as np, keras
+    >>> from paraml import Parallel
+    >>> par = Parallel("mirrored", devices=2, seed=0)
+    >>> def make_model():
+    ...     return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    >>> model = par.build(make_model, optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    >>> x, y = np.random.rand(64, 4).astype("float32"), np.random.randint(0, 3, 64)
+    >>> history = par.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    >>> sorted(par.evaluate(x, y))
+    ['accuracy', 'loss']
+    >>> par.predict(x).shape
+    (64, 3)
+    """
+
+    def __init__(
+        self,
+        strategy: str = "auto",
+        devices: None | int | str | Sequence[str] = None,
+        *,
+        seed: int | None = None,
+        steps_per_execution: int = 1,
+        **options: Any,
+    ) -> None:
+        backend_class = backends.get_backend(strategy)
+        unknown = sorted(set(options) - set(backend_class.option_names))
+        if unknown:
+            valid = ", ".join(COMMON_OPTIONS + backend_class.option_names)
+            raise ValueError(f"unknown option {unknown[0]!r} for strategy {strategy!r}; valid options: {valid}")
+        if isinstance(steps_per_execution, bool) or not isinstance(steps_per_execution, int) or steps_per_execution < 1:
+            raise ValueError(f"steps_per_execution must be a positive int, got {steps_per_execution!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
+        if devices is None and not backend_class.uses_all_devices:
+            devices = 1
+        self.seed = seed
+        self.steps_per_execution = steps_per_execution
+        self.backend: Backend = backend_class(resolve_devices(devices), **options)
+        self._trainer: Trainer | None = None
+
+    # -- what was chosen ----------------------------------------------------------------------------------------------
+    @property
+    def strategy(self) -> str:
+        """The resolved strategy name."""
+        return self.backend.name
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Canonical names of this process's devices."""
+        return self.backend.devices
+
+    @property
+    def num_replicas(self) -> int:
+        """How many model replicas compute each global batch (over all workers)."""
+        return self.backend.num_replicas
+
+    @property
+    def is_chief(self) -> bool:
+        """True in the process that writes files that must exist once."""
+        return self.backend.is_chief
+
+    @property
+    def model(self) -> keras.Model:
+        """The model built by :meth:`build`."""
+        return self._require_trainer("model").model
+
+    def _require_trainer(self, action: str) -> Trainer:
+        if self._trainer is None:
+            raise RuntimeError(f"{action} needs a model: call par.build(model_fn, optimizer=..., loss=...) first")
+        return self._trainer
+
+    def __repr__(self) -> str:
+        return f"Parallel({self.strategy!r}, devices={list(self.devices)!r})"
+
+    # -- build --------------------------------------------------------------------------------------------------------
+    def build(
+        self,
+        model_fn: Callable[[], keras.Model],
+        optimizer: Any = "rmsprop",
+        loss: Any = None,
+        metrics: Sequence[Any] | None = None,
+    ) -> keras.Model:
+        """Create the model with ``model_fn()`` where the backend places it, and compile it.
+
+        ``model_fn`` takes no arguments and returns a built ``keras.Model`` (start it with ``keras.Input``).
+        ``optimizer``, ``loss`` and ``metrics`` take what ``keras.Model.compile`` takes.
+        """
+        if not callable(model_fn) or isinstance(model_fn, keras.layers.Layer):
+            raise TypeError(
+                f"model_fn must be a zero-argument function that returns a keras.Model, got {model_fn!r}: pass the "
+                "function that builds the model (not the model), so its variables are created where the backend "
+                "places them"
+            )
+        loss_fn, loss_name = resolve_loss(loss)
+        if self.seed is not None:
+            keras.utils.set_random_seed(self.seed)
+        model = self.backend.build_model(model_fn)
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"model_fn must return a keras.Model, it returned {type(model).__name__}")
+        if not model.built or not model.weights:
+            raise ValueError(
+                "model_fn returned a model without weights: give it an input shape (start it with keras.Input(...)) "
+                "so its variables are created where the backend places them"
+            )
+        with self.backend.scope():
+            opt = make_optimizer(optimizer)
+            model.compile(optimizer=opt, loss=loss)
+            opt.build(model.trainable_variables)
+        with self.backend.metrics_scope():
+            compiled_metrics = resolve_metrics(metrics, loss_name, model)
+            loss_tracker = keras.metrics.Mean(name="loss")
+        self._trainer = Trainer(
+            self.backend, model, opt, loss_fn, compiled_metrics, loss_tracker, self.steps_per_execution
+        )
+        return model
+
+    # -- train, evaluate, predict -------------------------------------------------------------------------------------
+    def _batches(self, x: Any, y: Any, batch_size: int, *, shuffle: bool = False, targets: bool = True) -> GlobalBatches:
+        return global_batches(
+            x,
+            y,
+            batch_size=batch_size,
+            num_replicas=self.num_replicas,
+            shuffle=shuffle,
+            seed=self.seed or 0,
+            need_targets=targets,
+        )
+
+    def fit(
+        self,
+        x: Any,
+        y: Any = None,
+        *,
+        batch_size: int = 32,
+        epochs: int = 1,
+        validation_data: Any = None,
+        callbacks: Sequence[keras.callbacks.Callback] | None = None,
+        verbose: Verbose = "auto",
+        shuffle: bool = True,
+        initial_epoch: int = 0,
+    ) -> keras.callbacks.History:
+        """Train the model, as ``keras.Model.fit`` does, and return its ``History``.
+
+        ``x``/``y`` are numpy arrays (``x`` may be a dict of arrays for a multi-input model) or ``x`` is a
+        ``tf.data.Dataset`` of ``(x, y)`` global batches. ``batch_size`` is the global batch, split across replicas.
+        Shuffling depends only on ``seed`` and the epoch. ``verbose=1`` shows the Keras progress bar.
+        """
+        trainer = self._require_trainer("fit")
+        for name, value, low in (("epochs", epochs, 1), ("initial_epoch", initial_epoch, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        for callback in callbacks or ():
+            if not isinstance(callback, keras.callbacks.Callback):
+                raise TypeError(f"callbacks must be keras.callbacks.Callback instances, got {callback!r}")
+        source = self._batches(x, y, batch_size, shuffle=shuffle)
+        validation = None
+        if validation_data is not None:
+            if isinstance(validation_data, (tuple, list)):
+                if len(validation_data) != 2:
+                    raise ValueError("validation_data must be (x_val, y_val) or a tf.data.Dataset")
+                validation = self._batches(validation_data[0], validation_data[1], batch_size)
+            else:
+                validation = self._batches(validation_data, None, batch_size)
+        return trainer.fit(
+            source,
+            epochs=epochs,
+            initial_epoch=initial_epoch,
+            validation=validation,
+            callbacks=callbacks,
+            verbose=_verbosity(verbose, 1),
+        )
+
+    def evaluate(self, x: Any, y: Any = None, *, batch_size: int = 32, verbose: Verbose = 0) -> dict[str, float]:
+        """Loss and metrics over every sample of ``x``/``y``: ``{"loss": ..., "accuracy": ...}``."""
+        trainer = self._require_trainer("evaluate")
+        return trainer.evaluate(self._batches(x, y, batch_size), verbose=_verbosity(verbose, 0))
+
+    def predict(self, x: Any, *, batch_size: int = 32, verbose: Verbose = 0) -> Any:
+        """The model's output for every sample of ``x``, in input order, as numpy (a structure for many outputs)."""
+        trainer = self._require_trainer("predict")
+        return trainer.predict(self._batches(x, None, batch_size, targets=False), verbose=_verbosity(verbose, 0))

@@ -1,0 +1,590 @@
+"""Pure planners that split a model's layers into contiguous model-parallel stages.
+
+A model is described as an ordered list of :class:`LayerCost` records (one per
+layer, in execution order).  The planners return a :class:`PartitionPlan`: a
+tuple of :class:`Stage` objects, each holding a contiguous run of layers.
+
+This module imports neither TensorFlow nor Keras; it is plain Python, so plans
+can be made, inspected and tested without touching a device.  Use
+:func:`paraml.memory.layer_costs` to build the cost list from a Keras model.
+
+Memory model of a stage (all numbers in bytes)::
+
+    state_bytes      = param_bytes * (2 + slots_per_param)   # params + grads + slots
+    activation_bytes = sum of the stage's layer output bytes
+    peak_bytes       = state_bytes + activation_bytes
+
+Example:
+    >>> costs = [LayerCost("a", 100, 10), LayerCost("b", 100, 10),
+    ...          LayerCost("c", 400, 10), LayerCost("d", 100, 10)]
+    >>> plan = plan_balanced(costs, 2)
+    >>> [s.layers for s in plan.stages]
+    [('a', 'b'), ('c', 'd')]
+    >>> plan.stage_of("c")
+    1
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .memory import format_bytes
+
+__all__ = [
+    "PARTITION_CHOICES",
+    "LayerCost",
+    "PartitionPlan",
+    "Stage",
+    "layer_cost",
+    "make_plan",
+    "plan_balanced",
+    "plan_even",
+    "plan_explicit",
+]
+
+#: The partition strategies accepted by :func:`make_plan` as strings.
+PARTITION_CHOICES: tuple[str, ...] = ("balanced", "even")
+
+_MAX_NAMES_IN_ERRORS = 8
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Memory cost of one layer.
+
+    Attributes:
+        name: The layer's (unique) name.
+        param_bytes: Bytes of the layer's parameters (variables).
+        activation_bytes: Bytes of the layer's output for one batch.
+
+    Example:
+        >>> LayerCost("dense", param_bytes=60, activation_bytes=384).param_bytes
+        60
+    """
+
+    name: str
+    param_bytes: int
+    activation_bytes: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"LayerCost.name must be a non-empty string, got {self.name!r}")
+        for field in ("param_bytes", "activation_bytes"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"LayerCost {self.name!r}: {field} must be an int >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: a contiguous run of layers placed on one device.
+
+    Attributes:
+        index: Position of the stage in the pipeline (0-based).
+        layers: Names of the stage's layers, in model order.
+        param_bytes: Sum of the layers' parameter bytes.
+        state_bytes: ``param_bytes * (2 + slots_per_param)``: parameters,
+            gradients and optimizer slots.
+        activation_bytes: Sum of the layers' activation bytes.
+
+    Example:
+        >>> s = Stage(0, ("a", "b"), param_bytes=10, state_bytes=40, activation_bytes=5)
+        >>> s.peak_bytes
+        45
+    """
+
+    index: int
+    layers: tuple[str, ...]
+    param_bytes: int
+    state_bytes: int
+    activation_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        """Estimated peak memory of the stage: ``state_bytes + activation_bytes``.
+
+        Example:
+            >>> Stage(0, ("a",), 1, 4, 2).peak_bytes
+            6
+        """
+        return self.state_bytes + self.activation_bytes
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """An ordered split of a model's layers into stages.
+
+    Attributes:
+        stages: The stages, in pipeline order.
+
+    Example:
+        >>> plan = plan_even([LayerCost(n, 4, 1) for n in "abc"], 2)
+        >>> plan.num_stages, plan.stage_of("c"), plan.boundaries
+        (2, 1, (0, 2))
+    """
+
+    stages: tuple[Stage, ...]
+
+    @property
+    def num_stages(self) -> int:
+        """Number of stages.
+
+        Example:
+            >>> plan_even([LayerCost("a", 1, 1)], 1).num_stages
+            1
+        """
+        return len(self.stages)
+
+    @property
+    def boundaries(self) -> tuple[int, ...]:
+        """Index (in model order) of the first layer of each stage; starts with 0.
+
+        Example:
+            >>> plan_even([LayerCost(n, 1, 1) for n in "abcde"], 2).boundaries
+            (0, 3)
+        """
+        starts = []
+        position = 0
+        for stage in self.stages:
+            starts.append(position)
+            position += len(stage.layers)
+        return tuple(starts)
+
+    @property
+    def largest_stage_bytes(self) -> int:
+        """The largest :attr:`Stage.peak_bytes` over all stages.
+
+        Example:
+            >>> costs = [LayerCost("a", 10, 0), LayerCost("b", 30, 0)]
+            >>> plan_even(costs, 2).largest_stage_bytes  # 30 * (2 + 0)
+            60
+        """
+        return max((s.peak_bytes for s in self.stages), default=0)
+
+    def stage_of(self, layer_name: str) -> int:
+        """Return the index of the stage holding ``layer_name``.
+
+        Raises:
+            ValueError: if no stage holds a layer of that name.
+
+        Example:
+            >>> plan_even([LayerCost(n, 1, 1) for n in "abcd"], 2).stage_of("c")
+            1
+        """
+        for stage in self.stages:
+            if layer_name in stage.layers:
+                return stage.index
+        names = [n for s in self.stages for n in s.layers]
+        raise ValueError(f"layer {layer_name!r} is not in this plan; its layers are: {_few(names)}")
+
+    def as_rows(self) -> list[dict[str, Any]]:
+        """One dict per stage with keys ``stage``, ``layers``, ``param_bytes``, ``peak_bytes``.
+
+        Example:
+            >>> plan_even([LayerCost("a", 1, 2)], 1).as_rows()
+            [{'stage': 0, 'layers': ['a'], 'param_bytes': 1, 'peak_bytes': 4}]
+        """
+        return [
+            {
+                "stage": s.index,
+                "layers": list(s.layers),
+                "param_bytes": s.param_bytes,
+                "peak_bytes": s.peak_bytes,
+            }
+            for s in self.stages
+        ]
+
+    def describe(self, devices: Sequence[str] | None = None) -> str:
+        """Render the plan as a fixed-width table.
+
+        Args:
+            devices: Optional device name per stage (same length as the plan).
+
+        Raises:
+            ValueError: if ``devices`` does not have one entry per stage.
+
+        Example:
+            >>> costs = [LayerCost(n, 1024, 0) for n in ("in", "mid", "out")]
+            >>> print(plan_even(costs, 2).describe(["/CPU:0", "/CPU:1"]))
+            stage  device  layers       parameters  est. peak memory
+            -----  ------  -----------  ----------  ----------------
+            0      /CPU:0  in..mid (2)    2.00 KiB          4.00 KiB
+            1      /CPU:1  out (1)        1.00 KiB          2.00 KiB
+            largest stage: 4.00 KiB
+        """
+        if devices is not None:
+            devices = list(devices)
+            if len(devices) != len(self.stages):
+                raise ValueError(
+                    f"describe() got {len(devices)} devices for {len(self.stages)} stages; "
+                    "pass exactly one device per stage"
+                )
+        header = ("stage", "device", "layers", "parameters", "est. peak memory")
+        rows = []
+        for stage in self.stages:
+            layers = stage.layers
+            span = layers[0] if len(layers) == 1 else f"{layers[0]}..{layers[-1]}"
+            rows.append(
+                (
+                    str(stage.index),
+                    "-" if devices is None else str(devices[stage.index]),
+                    f"{span} ({len(layers)})",
+                    format_bytes(stage.param_bytes),
+                    format_bytes(stage.peak_bytes),
+                )
+            )
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        right_aligned = {3, 4}
+
+        def fmt(row: Sequence[str]) -> str:
+            cells = [
+                cell.rjust(widths[i]) if i in right_aligned else cell.ljust(widths[i]) for i, cell in enumerate(row)
+            ]
+            return "  ".join(cells).rstrip()
+
+        lines = [fmt(header), fmt(["-" * w for w in widths])]
+        lines += [fmt(r) for r in rows]
+        lines.append(f"largest stage: {format_bytes(self.largest_stage_bytes)}")
+        return "\n".join(lines)
+
+
+def layer_cost(c: LayerCost, slots_per_param: int) -> int:
+    """The cost balanced planning minimises for one layer, in bytes.
+
+    ``param_bytes * (2 + slots_per_param) + activation_bytes``: parameters,
+    their gradients, the optimizer's slot variables and the layer's output.
+
+    Example:
+        >>> layer_cost(LayerCost("d", 100, 7), slots_per_param=2)  # Adam
+        407
+    """
+    _check_slots(slots_per_param)
+    return c.param_bytes * (2 + slots_per_param) + c.activation_bytes
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _few(names: Sequence[str], limit: int = _MAX_NAMES_IN_ERRORS) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    if len(names) > limit:
+        shown += f", ... ({len(names)} layers in total)"
+    return shown
+
+
+def _check_slots(slots_per_param: int) -> None:
+    if isinstance(slots_per_param, bool) or not isinstance(slots_per_param, int):
+        raise ValueError(f"slots_per_param must be an int >= 0, got {slots_per_param!r}")
+    if slots_per_param < 0:
+        raise ValueError(f"slots_per_param must be an int >= 0, got {slots_per_param}")
+
+
+def _check_costs(costs: Sequence[LayerCost]) -> list[LayerCost]:
+    costs = list(costs)
+    if not costs:
+        raise ValueError("cannot partition a model with no layers (costs is empty)")
+    seen: set[str] = set()
+    for c in costs:
+        if not isinstance(c, LayerCost):
+            raise ValueError(f"costs must contain LayerCost records, got {c!r}")
+        if c.name in seen:
+            raise ValueError(f"layer name {c.name!r} appears twice in costs; names must be unique")
+        seen.add(c.name)
+    return costs
+
+
+def _check_num_stages(num_stages: int, num_layers: int) -> None:
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int):
+        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if num_stages > num_layers:
+        raise ValueError(
+            f"cannot split {num_layers} layers into {num_stages} stages: "
+            f"num_stages ({num_stages}) must be <= the number of layers ({num_layers})"
+        )
+
+
+def _validate(costs: Sequence[LayerCost], num_stages: int, slots_per_param: int) -> list[LayerCost]:
+    costs = _check_costs(costs)
+    _check_num_stages(num_stages, len(costs))
+    _check_slots(slots_per_param)
+    return costs
+
+
+def _plan_from_starts(costs: Sequence[LayerCost], starts: Sequence[int], slots_per_param: int) -> PartitionPlan:
+    """Build a plan from stage start indices (first is 0, strictly increasing)."""
+    ends = [*starts[1:], len(costs)]
+    stages = []
+    for index, (lo, hi) in enumerate(zip(starts, ends, strict=True)):
+        members = costs[lo:hi]
+        params = sum(c.param_bytes for c in members)
+        stages.append(
+            Stage(
+                index=index,
+                layers=tuple(c.name for c in members),
+                param_bytes=params,
+                state_bytes=params * (2 + slots_per_param),
+                activation_bytes=sum(c.activation_bytes for c in members),
+            )
+        )
+    return PartitionPlan(stages=tuple(stages))
+
+
+# --------------------------------------------------------------------------- planners
+
+
+def plan_balanced(costs: Sequence[LayerCost], num_stages: int, slots_per_param: int = 0) -> PartitionPlan:
+    """Split into ``num_stages`` contiguous non-empty stages minimising the largest stage.
+
+    The stage cost is the sum of :func:`layer_cost` over its layers.  The result
+    is optimal (binary search on the bound plus a greedy feasibility test, which
+    is exact for integer costs).  Among all optimal splits, the one whose cut
+    positions are lexicographically smallest is returned: every cut is placed
+    as early as possible, so the result is deterministic.
+
+    Raises:
+        ValueError: if ``num_stages < 1`` or exceeds the number of layers.
+
+    Example:
+        >>> costs = [LayerCost(f"l{i}", 1, 0) for i in range(6)]
+        >>> costs.insert(3, LayerCost("big", 10, 0))
+        >>> [s.layers for s in plan_balanced(costs, 3).stages]
+        [('l0', 'l1', 'l2'), ('big',), ('l3', 'l4', 'l5')]
+
+        Ties go to the earliest cut:
+
+        >>> [s.layers for s in plan_balanced([LayerCost(n, 5, 0) for n in "abcd"], 3).stages]
+        [('a',), ('b',), ('c', 'd')]
+    """
+    costs = _validate(costs, num_stages, slots_per_param)
+    weights = [layer_cost(c, slots_per_param) for c in costs]
+    n = len(weights)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+
+    def min_stages(bound: int) -> int:
+        """Fewest contiguous stages with every stage cost <= bound (greedy is optimal)."""
+        count, run = 1, 0
+        for w in weights:
+            if run + w > bound:
+                count, run = count + 1, w
+            else:
+                run += w
+        return count
+
+    # Splitting a stage never raises the maximum, so ``bound`` is achievable with
+    # exactly num_stages stages iff it is achievable with at most num_stages.
+    lo, hi = max(weights), prefix[-1]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if min_stages(mid) <= num_stages:
+            hi = mid
+        else:
+            lo = mid + 1
+    bound = lo
+
+    # need[i]: fewest stages covering layers i..n-1 with every stage <= bound.
+    # Computed right to left: the first stage greedily takes as many layers as fit.
+    need = [0] * (n + 1)
+    end = n
+    for i in range(n - 1, -1, -1):
+        while prefix[end] - prefix[i] > bound:
+            end -= 1
+        need[i] = 1 + need[end]
+
+    # Place each cut as early as possible such that the rest is still feasible.
+    # need[] is non-increasing in i, so the earliest valid cut is found by scanning.
+    starts = [0]
+    position = 0
+    for remaining in range(num_stages - 1, 0, -1):
+        cut = position + 1
+        while need[cut] > remaining:
+            cut += 1
+        starts.append(cut)
+        position = cut
+    return _plan_from_starts(costs, starts, slots_per_param)
+
+
+def plan_even(costs: Sequence[LayerCost], num_stages: int, slots_per_param: int = 0) -> PartitionPlan:
+    """Split into stages with the same number of layers, ignoring their costs.
+
+    With ``n`` layers and ``k`` stages, the first ``n % k`` stages get one more layer.
+
+    Raises:
+        ValueError: if ``num_stages < 1`` or exceeds the number of layers.
+
+    Example:
+        >>> costs = [LayerCost(str(i), 1, 0) for i in range(7)]
+        >>> [len(s.layers) for s in plan_even(costs, 3).stages]
+        [3, 2, 2]
+    """
+    costs = _validate(costs, num_stages, slots_per_param)
+    size, extra = divmod(len(costs), num_stages)
+    starts = []
+    position = 0
+    for i in range(num_stages):
+        starts.append(position)
+        position += size + (1 if i < extra else 0)
+    return _plan_from_starts(costs, starts, slots_per_param)
+
+
+def plan_explicit(
+    costs: Sequence[LayerCost],
+    spec: Sequence[Sequence[str]] | Sequence[int],
+    num_stages: int,
+    slots_per_param: int = 0,
+) -> PartitionPlan:
+    """Build the plan the user spelled out.
+
+    ``spec`` takes one of two forms:
+
+    * **groups of layer names**: ``[["a", "b"], ["c"]]``: exactly ``num_stages``
+      non-empty groups that together list every layer once, contiguously and in
+      model order;
+    * **cut indices**: ``[2]``: ``num_stages - 1`` strictly increasing layer
+      indices in ``1..len(costs)-1``; stage ``i + 1`` starts at ``spec[i]``.
+      Do not include ``0`` or ``len(costs)``; ``[]`` means a single stage.
+
+    Raises:
+        ValueError: naming the offending layer or value if the spec is invalid.
+
+    Example:
+        >>> costs = [LayerCost(n, 1, 0) for n in "abcd"]
+        >>> [s.layers for s in plan_explicit(costs, [["a"], ["b", "c", "d"]], 2).stages]
+        [('a',), ('b', 'c', 'd')]
+        >>> [s.layers for s in plan_explicit(costs, [1, 3], 3).stages]
+        [('a',), ('b', 'c'), ('d',)]
+    """
+    costs = _validate(costs, num_stages, slots_per_param)
+    if isinstance(spec, (str, bytes)) or not isinstance(spec, Sequence):
+        raise ValueError(
+            f"an explicit partition must be a list of layer-name lists or a list of int cut indices, got {spec!r}"
+        )
+    items = list(spec)
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in items):
+        starts = _starts_from_cuts(items, len(costs), num_stages)
+    elif all(isinstance(g, Sequence) and not isinstance(g, (str, bytes)) for g in items):
+        starts = _starts_from_groups(costs, items, num_stages)
+    else:
+        raise ValueError(
+            "an explicit partition must be either a list of lists of layer names "
+            "(e.g. [['dense', 'dense_1'], ['dense_2']]) or a list of int cut indices "
+            f"(e.g. [2]); got {spec!r}"
+        )
+    return _plan_from_starts(costs, starts, slots_per_param)
+
+
+def _starts_from_cuts(cuts: list[int], num_layers: int, num_stages: int) -> list[int]:
+    form = (
+        f"int cut indices: stage i+1 starts at layer index cuts[i]; give "
+        f"num_stages - 1 = {num_stages - 1} strictly increasing indices in "
+        f"1..{num_layers - 1} (do not include 0 or {num_layers})"
+    )
+    if len(cuts) != num_stages - 1:
+        hint = ""
+        if len(cuts) == num_stages + 1 and cuts and cuts[0] == 0 and cuts[-1] == num_layers:
+            hint = f"; drop the leading 0 and trailing {num_layers}"
+        raise ValueError(f"got {len(cuts)} cut indices {cuts} for {num_stages} stages; expected {form}{hint}")
+    previous = 0
+    for cut in cuts:
+        if not 1 <= cut <= num_layers - 1:
+            raise ValueError(f"cut index {cut} is out of range in {cuts}; expected {form}")
+        if cut <= previous:
+            raise ValueError(f"cut index {cut} is not greater than the previous one in {cuts}; expected {form}")
+        previous = cut
+    return [0, *cuts]
+
+
+def _starts_from_groups(costs: list[LayerCost], groups: list[Sequence[str]], num_stages: int) -> list[int]:
+    order = [c.name for c in costs]
+    index = {name: i for i, name in enumerate(order)}
+    if len(groups) != num_stages:
+        raise ValueError(
+            f"got {len(groups)} layer groups for num_stages={num_stages}; give exactly one group per stage"
+        )
+    seen: dict[str, int] = {}
+    for g, group in enumerate(groups):
+        if len(group) == 0:
+            raise ValueError(f"layer group {g} is empty; every stage needs at least one layer")
+        for name in group:
+            if not isinstance(name, str):
+                raise ValueError(f"layer group {g} contains {name!r}, which is not a layer name")
+            if name not in index:
+                raise ValueError(
+                    f"layer group {g} names layer {name!r}, which the model does not have; "
+                    f"valid layer names include: {_few(order)}"
+                )
+            if name in seen:
+                raise ValueError(
+                    f"layer {name!r} is named twice (in group {seen[name]} and group {g}); "
+                    "each layer must appear exactly once"
+                )
+            seen[name] = g
+    missing = [name for name in order if name not in seen]
+    if missing:
+        raise ValueError(
+            f"layer {missing[0]!r} is not in any group ({len(missing)} missing: "
+            f"{_few(missing)}); the groups must cover every layer"
+        )
+    flat = [name for group in groups for name in group]
+    for position, (got, expected) in enumerate(zip(flat, order, strict=True)):
+        if got != expected:
+            raise ValueError(
+                f"layer {got!r} is out of order: groups must list the layers contiguously "
+                f"in model order, so position {position} should be {expected!r} "
+                f"(model order: {_few(order)})"
+            )
+    starts = []
+    position = 0
+    for group in groups:
+        starts.append(position)
+        position += len(group)
+    return starts
+
+
+def make_plan(
+    costs: Sequence[LayerCost],
+    partition: str | Sequence[Sequence[str]] | Sequence[int],
+    num_stages: int,
+    slots_per_param: int = 0,
+) -> PartitionPlan:
+    """Dispatch to a planner.
+
+    Args:
+        costs: Per-layer costs in model order.
+        partition: ``"balanced"`` (:func:`plan_balanced`), ``"even"``
+            (:func:`plan_even`), or an explicit spec for :func:`plan_explicit`.
+        num_stages: Number of stages.
+        slots_per_param: Optimizer slot variables per parameter (Adam: 2).
+
+    Raises:
+        ValueError: for an unknown strategy name or an invalid spec.
+
+    Example:
+        >>> costs = [LayerCost(n, 1, 0) for n in "abc"]
+        >>> make_plan(costs, "even", 2).boundaries
+        (0, 2)
+        >>> make_plan(costs, [["a"], ["b", "c"]], 2).boundaries
+        (0, 1)
+    """
+    if isinstance(partition, str):
+        key = partition.strip().lower()
+        if key == "balanced":
+            return plan_balanced(costs, num_stages, slots_per_param)
+        if key == "even":
+            return plan_even(costs, num_stages, slots_per_param)
+        raise ValueError(
+            f"unknown partition {partition!r}; valid choices are "
+            f"{', '.join(repr(c) for c in PARTITION_CHOICES)}, or an explicit list "
+            "of layer-name groups or int cut indices"
+        )
+    if isinstance(partition, Sequence) and not isinstance(partition, bytes):
+        return plan_explicit(costs, partition, num_stages, slots_per_param)
+    raise ValueError(
+        f"partition must be one of {', '.join(repr(c) for c in PARTITION_CHOICES)} or an "
+        f"explicit list of layer-name groups or int cut indices, got {partition!r}"
+    )

@@ -1,0 +1,295 @@
+"""The one training loop: epochs, steps, callbacks, History and Progbar, evaluate and predict, for every backend.
+
+Keras 3's ``model.fit`` breaks under ``MultiWorkerMirroredStrategy`` (keras-team/keras#20585), so paraml runs its
+own loop: each step is ``backend.run(replica_step, batch)`` inside ``tf.function``. The loss is averaged over the
+*global* batch: each replica divides its sum by the all-reduced number of samples, which stays right when a final,
+short batch is split unevenly (or leaves a replica empty). Keras layers, optimizers, losses, metrics and callbacks
+are used as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from .backends.base import Backend
+from .data import GlobalBatches
+
+__all__ = ["Trainer", "make_optimizer", "resolve_loss", "resolve_metrics"]
+
+LossFn = Callable[[Any, Any], tf.Tensor]
+
+
+# -- compile arguments, resolved as Keras' compile does -------------------------------------------------------------
+def make_optimizer(identifier: Any) -> keras.optimizers.Optimizer:
+    """A fresh optimizer for ``identifier`` (a name, a config dict or an instance).
+
+    Call it inside the backend's scope: a Keras 3 optimizer remembers the strategy it was created under, so an
+    instance the user made outside any scope is re-created from its config (its state, if any, is not carried).
+    """
+    if isinstance(identifier, keras.optimizers.Optimizer):
+        return identifier.__class__.from_config(identifier.get_config())
+    try:
+        return keras.optimizers.get(identifier)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"unknown optimizer {identifier!r}: {error}") from None
+
+
+def resolve_loss(identifier: Any) -> tuple[LossFn, str]:
+    """The per-sample loss function for ``identifier`` (as ``compile`` accepts it) and its name."""
+    if identifier is None:
+        raise ValueError("loss is required, e.g. loss='sparse_categorical_crossentropy'")
+    try:
+        loss = keras.losses.get(identifier) if not callable(identifier) else identifier
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"unknown loss {identifier!r}: {error}") from None
+    if isinstance(loss, keras.losses.Loss):
+        return loss.call, loss.name  # `call` is the unreduced, per-sample loss
+    if not callable(loss):
+        raise ValueError(f"loss must be a name, a keras.losses.Loss or a function, got {identifier!r}")
+    return loss, getattr(loss, "__name__", "loss")
+
+
+def _accuracy_for(loss_name: str, model: keras.Model) -> keras.metrics.Metric:
+    """The accuracy Keras would pick for the string "accuracy", from the loss and the model's output width."""
+    name = loss_name.lower()
+    if "sparse" in name:
+        return keras.metrics.SparseCategoricalAccuracy(name="accuracy")
+    if "binary" in name or model.outputs and model.outputs[0].shape[-1] == 1:
+        return keras.metrics.BinaryAccuracy(name="accuracy")
+    if "categorical" in name:
+        return keras.metrics.CategoricalAccuracy(name="accuracy")
+    return keras.metrics.SparseCategoricalAccuracy(name="accuracy")
+
+
+def resolve_metrics(metrics: Sequence[Any] | None, loss_name: str, model: keras.Model) -> list[keras.metrics.Metric]:
+    """Metric objects for ``metrics`` (names, classes, functions or instances); call inside the backend's scope."""
+    resolved: list[keras.metrics.Metric] = []
+    for item in metrics or ():
+        if isinstance(item, str) and item in ("accuracy", "acc"):
+            resolved.append(_accuracy_for(loss_name, model))
+            continue
+        if isinstance(item, keras.metrics.Metric):
+            try:  # variables must be created under the strategy: rebuild from config where possible
+                resolved.append(item.__class__.from_config(item.get_config()))
+            except (TypeError, ValueError, NotImplementedError):
+                resolved.append(item)
+            continue
+        try:
+            metric = keras.metrics.get(item)
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"unknown metric {item!r}: {error}") from None
+        if isinstance(metric, type):
+            metric = metric()
+        name = item if isinstance(item, str) else getattr(metric, "name", getattr(metric, "__name__", "metric"))
+        if not isinstance(metric, keras.metrics.Metric):
+            metric = keras.metrics.MeanMetricWrapper(metric, name=name)
+        elif metric.name != name:  # logs use the name the user wrote ("mae"), as compile does
+            metric = metric.__class__.from_config({**metric.get_config(), "name": name})
+        resolved.append(metric)
+    names = [m.name for m in resolved]
+    if len(set(names)) != len(names) or "loss" in names:
+        raise ValueError(f"metric names must be unique and not 'loss', got {names}")
+    return resolved
+
+
+def _to_numpy(value: Any) -> Any:
+    return tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else np.asarray(t), value)
+
+
+# -- the loop ---------------------------------------------------------------------------------------------------------
+class Trainer:
+    """Runs fit/evaluate/predict of one compiled model on one backend. Built by :meth:`paraml.Parallel.build`."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        model: keras.Model,
+        optimizer: keras.optimizers.Optimizer,
+        loss: LossFn,
+        metrics: list[keras.metrics.Metric],
+        loss_tracker: keras.metrics.Mean,
+        steps_per_execution: int = 1,
+    ) -> None:
+        self.backend = backend
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss
+        self.metrics = metrics
+        self.loss_tracker = loss_tracker
+        self.steps_per_execution = steps_per_execution
+        self._functions: dict[tuple[str, int], Callable[[Iterator[Any]], Any]] = {}
+
+    # -- per-replica work ---------------------------------------------------------------------------------------------
+    def _objective(self, global_rows: tf.Tensor) -> Callable[[Any, Any, tf.Tensor, bool], tf.Tensor]:
+        """The loss to differentiate for (part of) a replica's batch; also updates the loss tracker and metrics."""
+        model = self.model
+
+        def objective(y_pred: Any, y: Any, w: tf.Tensor, first: bool) -> tf.Tensor:
+            per_sample = tf.cast(self.loss_fn(y, y_pred), tf.float32)
+            extra_dims = tf.ones([tf.rank(per_sample) - 1], tf.int32)  # e.g. time steps of a sequence loss
+            per_sample = per_sample * tf.reshape(w, tf.concat([tf.shape(w), extra_dims], 0))
+            # Keras' "sum over batch size" divides by every element of the loss: global rows x other dims.
+            per_row = tf.cast(tf.reduce_prod(tf.shape(per_sample)[1:]), tf.float32)
+            loss = tf.nn.compute_average_loss(
+                tf.reshape(per_sample, [-1]), global_batch_size=tf.cast(global_rows * per_row, tf.int64)
+            )
+            regularization = tf.constant(0.0)
+            if first and model.losses:
+                regularization = tf.add_n(model.losses)
+                loss += tf.nn.scale_regularization_loss(regularization)
+            self.loss_tracker.update_state(per_sample + regularization)
+            for metric in self.metrics:
+                metric.update_state(y, y_pred, sample_weight=w)
+            return loss
+
+        return objective
+
+    def _train_replica(self, x: Any, y: Any, w: tf.Tensor) -> None:
+        global_rows = self.backend.all_reduce_sum(tf.cast(tf.shape(w)[0], tf.float32))
+        variables = self.model.trainable_variables
+        grads, _ = self.backend.gradients(self.model, x, y, w, self._objective(global_rows))
+        self.optimizer.apply_gradients(zip(grads, variables))
+
+    def _test_replica(self, x: Any, y: Any, w: tf.Tensor) -> None:
+        y_pred = self.backend.forward(self.model, x, training=False)
+        self._objective(tf.constant(1.0))(y_pred, y, w, True)
+
+    def _predict_replica(self, x: Any, y: Any, w: tf.Tensor) -> Any:
+        del y, w
+        return self.backend.forward(self.model, x, training=False)
+
+    # -- compiled multi-step functions --------------------------------------------------------------------------------
+    def _logs(self) -> dict[str, tf.Tensor]:
+        return {m.name: m.result() for m in [self.loss_tracker, *self.metrics]}
+
+    def _function(self, kind: str, steps: int) -> Callable[[Iterator[Any]], Any]:
+        """A ``tf.function`` that runs ``steps`` steps of ``kind`` on the next batches of an iterator."""
+        key = (kind, steps)
+        if key in self._functions:
+            return self._functions[key]
+        backend = self.backend
+        replica_fn = {"train": self._train_replica, "test": self._test_replica}.get(kind)
+
+        if kind == "predict":
+
+            def run(iterator: Iterator[Any]) -> Any:
+                outputs = backend.run(self._predict_replica, next(iterator))
+                return tf.nest.map_structure(backend.gather, outputs)
+
+        else:
+
+            def run(iterator: Iterator[Any]) -> Any:
+                for _ in tf.range(steps):
+                    backend.run(replica_fn, next(iterator))
+                return self._logs()
+
+        self._functions[key] = tf.function(run)
+        return self._functions[key]
+
+    def _reset_metrics(self) -> None:
+        for metric in [self.loss_tracker, *self.metrics]:
+            metric.reset_state()
+
+    def _run_epoch(
+        self, kind: str, source: GlobalBatches, epoch: int, on_batch: Callable[[int, dict[str, float]], bool] | None
+    ) -> dict[str, float]:
+        """One pass over ``source``; ``on_batch(last_step, logs)`` returns True to stop early."""
+        self._reset_metrics()
+        iterator = iter(self.backend.distribute(source.dataset(epoch)))
+        logs: dict[str, float] = {}
+        step = 0
+        while source.steps is None or step < source.steps:
+            k = 1 if source.steps is None else min(self.steps_per_execution, source.steps - step)
+            try:
+                logs = {name: float(v) for name, v in self._function(kind, k)(iterator).items()}
+            except tf.errors.OutOfRangeError:
+                break  # a dataset of unknown length has ended
+            step += k
+            if on_batch is not None and on_batch(step - 1, logs):
+                break
+        if not logs:  # nothing ran (an empty dataset): report the metrics' empty state
+            logs = {name: float(v) for name, v in self._logs().items()}
+        return logs
+
+    # -- public operations --------------------------------------------------------------------------------------------
+    def fit(
+        self,
+        source: GlobalBatches,
+        *,
+        epochs: int,
+        initial_epoch: int,
+        validation: GlobalBatches | None,
+        callbacks: Sequence[keras.callbacks.Callback] | None,
+        verbose: int,
+        on_epoch_end: Callable[[int], None] | None = None,
+    ) -> keras.callbacks.History:
+        """Train for ``epochs - initial_epoch`` epochs and return the History (as ``model.fit`` does)."""
+        model = self.model
+        callback_list = keras.callbacks.CallbackList(
+            list(callbacks or ()),
+            add_history=True,
+            add_progbar=verbose != 0,
+            model=model,
+            verbose=verbose,
+            epochs=epochs,
+            steps=source.steps,
+        )
+        history = next(c for c in callback_list.callbacks if isinstance(c, keras.callbacks.History))
+        model.stop_training = False
+        callback_list.on_train_begin()
+        logs: dict[str, float] = {}
+
+        def on_batch(step: int, batch_logs: dict[str, float]) -> bool:
+            callback_list.on_train_batch_end(step, batch_logs)
+            if not model.stop_training:
+                callback_list.on_train_batch_begin(step + 1)
+            return bool(model.stop_training)
+
+        for epoch in range(initial_epoch, epochs):
+            callback_list.on_epoch_begin(epoch)
+            callback_list.on_train_batch_begin(0)
+            logs = self._run_epoch("train", source, epoch, on_batch)
+            if validation is not None:
+                val_logs = self._run_epoch("test", validation, 0, None)
+                logs.update({f"val_{name}": value for name, value in val_logs.items()})
+            callback_list.on_epoch_end(epoch, logs)
+            if on_epoch_end is not None:
+                on_epoch_end(epoch)
+            if model.stop_training:
+                break
+        callback_list.on_train_end(logs)
+        return history
+
+    def evaluate(self, source: GlobalBatches, *, verbose: int = 0) -> dict[str, float]:
+        """Loss and metrics over every sample of ``source``."""
+        progbar = keras.utils.Progbar(source.steps) if verbose else None
+
+        def on_batch(step: int, logs: dict[str, float]) -> bool:
+            if progbar is not None:
+                progbar.update(step + 1, list(logs.items()))
+            return False
+
+        return self._run_epoch("test", source, 0, on_batch)
+
+    def predict(self, source: GlobalBatches, *, verbose: int = 0) -> Any:
+        """The model's outputs for every sample of ``source``, in input order, as numpy."""
+        iterator = iter(self.backend.distribute(source.dataset(0)))
+        progbar = keras.utils.Progbar(source.steps) if verbose else None
+        batches: list[Any] = []
+        step = 0
+        while source.steps is None or step < source.steps:
+            try:
+                batches.append(_to_numpy(self._function("predict", 1)(iterator)))
+            except tf.errors.OutOfRangeError:
+                break
+            step += 1
+            if progbar is not None:
+                progbar.update(step)
+        if not batches:
+            raise ValueError("predict got no data: the input is empty")
+        return tf.nest.map_structure(lambda *parts: np.concatenate(parts, axis=0), *batches)

@@ -1,0 +1,390 @@
+"""Tests for paraml.memory.
+
+Expected byte counts are worked out by hand from the layer shapes, not by
+calling the code under test.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from paraml.memory import (  # noqa: E402
+    MemoryEstimate,
+    estimate_memory,
+    format_bytes,
+    layer_costs,
+    optimizer_slots_per_param,
+    parse_size,
+)
+from paraml.partition import LayerCost, plan_balanced  # noqa: E402
+
+F32 = 4  # bytes per float32
+
+# ------------------------------------------------------------------------ sizes
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (0, 0),
+        (1024, 1024),
+        ("1024", 1024),
+        ("2GiB", 2 * 1024**3),
+        ("2 GiB", 2 * 1024**3),
+        ("2gib", 2 * 1024**3),
+        ("512MiB", 512 * 1024**2),
+        ("1.5GB", 1_500_000_000),
+        ("100kB", 100_000),
+        ("100KB", 100_000),
+        ("3KiB", 3072),
+        ("1TB", 10**12),
+        ("1TiB", 1024**4),
+        ("7B", 7),
+        ("7 b", 7),
+        ("0.5KiB", 512),
+        (" 1.5 mib ", 1572864),
+        (".5KiB", 512),
+        ("1e3", 1000),
+    ],
+)
+def test_parse_size(text: int | str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("2 GiBs", r"unknown unit 'GiBs'.*KiB, MiB, GiB, TiB"),
+        ("2XB", r"unknown unit 'XB'.*accepted units"),
+        ("lots", r"cannot parse size 'lots'.*accepted units"),
+        ("", r"cannot parse size ''"),
+        ("1.5", r"'1.5' is not a whole number of bytes"),
+        ("-1GiB", r"must be >= 0 bytes, got '-1GiB'"),
+        (-5, r"must be >= 0 bytes, got -5"),
+        (True, r"got True"),
+        (1.5, r"got 1.5.*accepted units"),
+        (None, r"got None"),
+    ],
+)
+def test_parse_size_errors(value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_size(value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [
+        (0, "0 B"),
+        (1, "1 B"),
+        (512, "512 B"),
+        (1023, "1023 B"),
+        (1024, "1.00 KiB"),
+        (1536, "1.50 KiB"),
+        (1024**2 - 1, "1.00 MiB"),
+        (2 * 1024**3, "2.00 GiB"),
+        (5 * 1024**4, "5.00 TiB"),
+        (-2048, "-2.00 KiB"),
+    ],
+)
+def test_format_bytes(n: int, text: str) -> None:
+    assert format_bytes(n) == text
+
+
+def test_format_and_parse_round_trip() -> None:
+    for n in (1024, 3 * 1024**2, 2 * 1024**3):
+        assert parse_size(format_bytes(n)) == n
+
+
+# ------------------------------------------------------------------- optimizers
+
+
+def _count_slots_by_hand(optimizer: keras.optimizers.Optimizer) -> float:
+    """Slots per parameter for a (16, 16) float32 kernel, counted on Keras directly."""
+    kernel = keras.Variable(np.zeros((16, 16), "float32"))
+    optimizer.build([kernel])
+    elements = sum(int(np.prod(v.shape)) for v in optimizer.variables if len(v.shape) > 0)
+    return elements / 256
+
+
+# Every entry of the documented table, checked against Keras itself.
+SLOT_TABLE = [
+    ("adam", keras.optimizers.Adam, {}, 2),
+    ("adam", keras.optimizers.Adam, {"amsgrad": True}, 3),
+    ("adamw", keras.optimizers.AdamW, {}, 2),
+    ("adamw", keras.optimizers.AdamW, {"amsgrad": True}, 3),
+    ("adamax", keras.optimizers.Adamax, {}, 2),
+    ("nadam", keras.optimizers.Nadam, {}, 2),
+    ("lamb", keras.optimizers.Lamb, {}, 2),
+    ("lion", keras.optimizers.Lion, {}, 1),
+    ("adagrad", keras.optimizers.Adagrad, {}, 1),
+    ("rmsprop", keras.optimizers.RMSprop, {}, 1),
+    ("rmsprop", keras.optimizers.RMSprop, {"momentum": 0.9}, 2),
+    ("rmsprop", keras.optimizers.RMSprop, {"centered": True}, 2),
+    ("rmsprop", keras.optimizers.RMSprop, {"momentum": 0.9, "centered": True}, 3),
+    ("sgd", keras.optimizers.SGD, {}, 0),
+    ("sgd", keras.optimizers.SGD, {"momentum": 0.9}, 1),
+    ("sgd", keras.optimizers.SGD, {"momentum": 0.9, "nesterov": True}, 1),
+    ("adadelta", keras.optimizers.Adadelta, {}, 2),
+    ("ftrl", keras.optimizers.Ftrl, {}, 2),
+    ("adafactor", keras.optimizers.Adafactor, {}, 1),
+    ("muon", keras.optimizers.Muon, {}, 1),
+    ("schedulefreeadamw", keras.optimizers.ScheduleFreeAdamW, {}, 2),
+    ("adam", keras.optimizers.Adam, {"use_ema": True}, 3),
+    ("sgd", keras.optimizers.SGD, {"gradient_accumulation_steps": 2}, 1),
+]
+
+
+@pytest.mark.parametrize(("name", "cls", "kwargs", "slots"), SLOT_TABLE)
+def test_slots_per_param_matches_keras(name: str, cls: type, kwargs: dict, slots: int) -> None:
+    assert round(_count_slots_by_hand(cls(**kwargs))) == slots
+    assert optimizer_slots_per_param(cls(**kwargs)) == slots
+    if not kwargs:  # the default configuration is what the name table holds
+        assert optimizer_slots_per_param(name) == slots
+        assert optimizer_slots_per_param(cls.__name__) == slots
+
+
+def test_slots_per_param_loss_scale_optimizer_delegates() -> None:
+    lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(amsgrad=True))
+    assert optimizer_slots_per_param(lso) == 3
+
+
+class _TwoSlotOptimizer(keras.optimizers.Optimizer):
+    """A custom optimizer unknown to paraml's table: two slots per variable."""
+
+    def build(self, variables):  # noqa: ANN001, ANN201
+        super().build(variables)
+        self.a = [self.add_variable_from_reference(v, "a") for v in variables]
+        self.b = [self.add_variable_from_reference(v, "b") for v in variables]
+
+    def update_step(self, gradient, variable, learning_rate):  # noqa: ANN001, ANN201
+        variable.assign_sub(gradient * learning_rate)
+
+
+def test_slots_per_param_unknown_optimizer_is_counted() -> None:
+    assert optimizer_slots_per_param(_TwoSlotOptimizer(learning_rate=0.1)) == 2
+
+
+def test_slots_per_param_unknown_name() -> None:
+    with pytest.raises(ValueError, match="unknown optimizer 'adamz'.*adam, adamax"):
+        optimizer_slots_per_param("adamz")
+
+
+def test_slots_per_param_does_not_touch_the_given_optimizer() -> None:
+    opt = keras.optimizers.Adam()
+    optimizer_slots_per_param(opt)
+    assert not opt.built
+
+
+# ----------------------------------------------------------------- models
+
+
+def _dense_model() -> keras.Model:
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="d1"), keras.layers.Dense(2, name="d2")])
+
+
+DENSE_PARAMS = ((4 * 3 + 3) + (3 * 2 + 2)) * F32  # 92
+
+
+def _conv_model() -> keras.Model:
+    return keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(2, 3, name="conv"),
+            keras.layers.Flatten(name="flat"),
+            keras.layers.Dense(1, name="out"),
+        ]
+    )
+
+
+CONV_PARAMS = ((3 * 3 * 1 * 2 + 2) + (6 * 6 * 2 * 1 + 1)) * F32  # (20 + 73) * 4
+
+
+def _embedding_model() -> keras.Model:
+    inputs = keras.Input((5,), dtype="int32")
+    x = keras.layers.Embedding(10, 4, name="emb")(inputs)
+    x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
+    outputs = keras.layers.Dense(1, name="out")(x)
+    return keras.Model(inputs, outputs)
+
+
+EMBEDDING_PARAMS = (10 * 4 + (4 * 1 + 1)) * F32  # 180
+
+
+@pytest.mark.parametrize(
+    ("build", "params"),
+    [(_dense_model, DENSE_PARAMS), (_conv_model, CONV_PARAMS), (_embedding_model, EMBEDDING_PARAMS)],
+    ids=["dense", "conv2d", "embedding"],
+)
+@pytest.mark.parametrize(
+    ("optimizer", "slots"),
+    [
+        (lambda: "adam", 2),
+        (keras.optimizers.Adam, 2),
+        (lambda: keras.optimizers.SGD(momentum=0.9), 1),
+        (lambda: "sgd", 0),
+    ],
+    ids=["adam-name", "adam", "sgd-momentum", "sgd"],
+)
+def test_parameter_and_slot_bytes_are_exact(build, params: int, optimizer, slots: int) -> None:  # noqa: ANN001
+    est = estimate_memory(build(), batch_size=8, optimizer=optimizer())
+    assert est.parameters == params
+    assert est.gradients == params  # every variable is trainable
+    assert est.optimizer_slots == slots * params
+    assert est.total == est.parameters + est.gradients + est.optimizer_slots + est.activations
+    assert est.note == ""
+
+
+def test_slot_fallback_uses_slots_per_param() -> None:
+    est = estimate_memory(_dense_model(), optimizer="adam", exact_slots=False)
+    assert est.optimizer_slots == 2 * DENSE_PARAMS
+
+
+def test_dense_activations() -> None:
+    est = estimate_memory(_dense_model(), batch_size=5)
+    assert est.activations == 5 * 3 * F32 + 5 * 2 * F32
+    assert est.batch_size == 5
+    assert est.per_layer == (
+        ("d1", (4 * 3 + 3) * F32, 5 * 3 * F32),
+        ("d2", (3 * 2 + 2) * F32, 5 * 2 * F32),
+    )
+
+
+def test_conv_and_embedding_activations() -> None:
+    conv = estimate_memory(_conv_model(), batch_size=2)
+    assert conv.activations == 2 * (6 * 6 * 2 + 72 + 1) * F32
+    emb = estimate_memory(_embedding_model(), batch_size=3)
+    assert emb.activations == 3 * (5 * 4 + 4 + 1) * F32
+
+
+def test_non_trainable_variables_count_as_parameters_only() -> None:
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.BatchNormalization()])
+    trainable = (4 * 3 + 3 + 3 + 3) * F32  # kernel, bias, gamma, beta
+    frozen = (3 + 3) * F32  # moving mean and variance
+    est = estimate_memory(model, optimizer="adam")
+    assert est.parameters == trainable + frozen
+    assert est.gradients == trainable
+    assert est.optimizer_slots == 2 * trainable
+
+
+def test_float16_variables_use_two_bytes() -> None:
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, dtype="float16")])
+    est = estimate_memory(model, batch_size=2, optimizer="adam")
+    assert est.parameters == (4 * 3 + 3) * 2
+    assert est.optimizer_slots == 2 * (4 * 3 + 3) * 2  # slots follow the variable dtype
+    assert est.activations == 2 * 3 * 2
+
+
+def test_estimate_accepts_model_fn() -> None:
+    est = estimate_memory(_dense_model, batch_size=4, optimizer="sgd")
+    assert est.parameters == DENSE_PARAMS
+    assert est.optimizer_slots == 0
+
+
+def test_estimate_does_not_build_the_given_optimizer() -> None:
+    opt = keras.optimizers.Adam()
+    estimate_memory(_dense_model(), optimizer=opt)
+    assert not opt.built
+
+
+def test_subclassed_model_has_unknown_activations() -> None:
+    class Sub(keras.Model):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dense = keras.layers.Dense(3)
+
+        def call(self, x):  # noqa: ANN001, ANN201
+            return self.dense(x)
+
+    model = Sub()
+    model(np.zeros((1, 4), "float32"))
+    est = estimate_memory(model, optimizer="adam")
+    assert est.parameters == (4 * 3 + 3) * F32
+    assert est.optimizer_slots == 2 * (4 * 3 + 3) * F32
+    assert est.activations == 0
+    assert "activations unknown" in est.note
+    assert "activations unknown" in str(est)
+
+
+def test_estimate_errors() -> None:
+    with pytest.raises(ValueError, match="not built"):
+        estimate_memory(keras.Sequential([keras.layers.Dense(2)]))
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
+        estimate_memory(_dense_model(), batch_size=0)
+    with pytest.raises(ValueError, match="expected a keras.Model"):
+        estimate_memory(42)
+    with pytest.raises(ValueError, match="unknown optimizer 'nope'"):
+        estimate_memory(_dense_model(), optimizer="nope")
+
+
+def test_estimate_under_a_distribution_strategy() -> None:
+    import tensorflow as tf
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        model = _dense_model()
+    est = estimate_memory(model, optimizer=keras.optimizers.Adam())
+    assert est.optimizer_slots == 2 * DENSE_PARAMS
+
+
+def test_str_and_as_dict() -> None:
+    est = estimate_memory(_dense_model(), batch_size=5)
+    text = str(est)
+    for word in ("parameters", "gradients", "optimizer slots", "activations", "total", "d1", "d2"):
+        assert word in text
+    assert "batch size 5" in text
+    assert format_bytes(est.total) in text
+    d = est.as_dict()
+    assert d["total"] == est.total
+    assert d["parameters"] == DENSE_PARAMS
+    assert d["per_layer"][0] == {"layer": "d1", "param_bytes": 60, "activation_bytes": 60}
+
+
+def test_memory_estimate_total() -> None:
+    est = MemoryEstimate(1, 2, 3, 4, batch_size=1)
+    assert est.total == 10
+    assert est.per_layer == ()
+
+
+# ----------------------------------------------------------------- layer costs
+
+
+def test_layer_costs_feed_the_planner() -> None:
+    costs = layer_costs(_conv_model, batch_size=2)
+    assert costs == [
+        LayerCost("conv", (3 * 3 * 1 * 2 + 2) * F32, 2 * 6 * 6 * 2 * F32),
+        LayerCost("flat", 0, 2 * 72 * F32),
+        LayerCost("out", (72 + 1) * F32, 2 * 1 * F32),
+    ]
+    plan = plan_balanced(costs, 2, slots_per_param=optimizer_slots_per_param("adam"))
+    assert [s.layers for s in plan.stages] == [("conv", "flat"), ("out",)]
+
+
+def test_layer_costs_skip_input_layers_of_functional_models() -> None:
+    names = [c.name for c in layer_costs(_embedding_model(), batch_size=1)]
+    assert names == ["emb", "pool", "out"]
+
+
+def test_memory_module_import_is_cheap() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import paraml.memory
+
+    package_dir = str(Path(paraml.memory.__file__).parent)
+    code = (
+        "import importlib, sys, types\n"
+        "pkg = types.ModuleType('paraml_probe')\n"
+        f"pkg.__path__ = [{package_dir!r}]\n"
+        "sys.modules['paraml_probe'] = pkg\n"
+        "importlib.import_module('paraml_probe.memory')\n"
+        "bad = sorted(m for m in ('tensorflow', 'keras', 'numpy') if m in sys.modules)\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,133 @@
+"""The one training loop: input forms, Keras callbacks, progress bar, the demo."""
+
+import csv
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import logits_loss, small_mlp
+
+from paraml import Parallel
+
+
+def make(strategy="mirrored", devices=2, optimizer="sgd", metrics=("accuracy",)):
+    par = Parallel(strategy, devices=devices, seed=1)
+    par.build(small_mlp, optimizer=optimizer, loss=logits_loss(), metrics=list(metrics))
+    return par
+
+
+def test_dataset_input_equals_numpy_input(data_1001):
+    x, y = data_1001
+    a, b = make(), make()
+    b.model.set_weights(a.model.get_weights())
+    a.fit(x, y, batch_size=50, epochs=2, shuffle=False, verbose=0)
+    b.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(50), epochs=2, verbose=0)
+    for wa, wb in zip(a.model.get_weights(), b.model.get_weights()):
+        np.testing.assert_allclose(wa, wb, rtol=1e-5, atol=1e-7)
+    dataset_eval = b.evaluate(tf.data.Dataset.from_tensor_slices((x, y)).batch(50))
+    assert dataset_eval["loss"] == pytest.approx(b.evaluate(x, y, batch_size=50)["loss"], rel=1e-6)
+
+
+def test_dataset_of_unknown_length(data_1001):
+    x, y = data_1001
+    par = make()
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(64).filter(lambda a, b: True)  # cardinality unknown
+    history = par.fit(ds, epochs=2, verbose=0)
+    assert len(history.history["loss"]) == 2
+    assert par.predict(ds.map(lambda a, b: a)).shape == (1001, 3)
+
+
+def test_dict_inputs_for_a_multi_input_model(data_1001):
+    x, y = data_1001
+
+    def two_inputs():
+        a, b = keras.Input((4,), name="a"), keras.Input((4,), name="b")
+        h = keras.layers.Concatenate()([keras.layers.Dense(8)(a), keras.layers.Dense(8)(b)])
+        return keras.Model({"a": a, "b": b}, keras.layers.Dense(3)(h))
+
+    par = Parallel("mirrored", devices=2, seed=0)
+    par.build(two_inputs, optimizer="adam", loss=logits_loss(), metrics=["accuracy"])
+    inputs = {"a": x[:, :4], "b": x[:, 4:]}
+    history = par.fit(inputs, y, batch_size=64, epochs=3, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert par.predict(inputs).shape == (1001, 3)
+
+
+def test_history_validation_and_early_stopping(data_1001):
+    x, y = data_1001
+    par = make(optimizer=keras.optimizers.SGD(0.0))  # nothing changes, so val_loss never improves
+    stop = keras.callbacks.EarlyStopping(monitor="val_loss", patience=1)
+    history = par.fit(x, y, batch_size=100, epochs=10, validation_data=(x[:100], y[:100]), callbacks=[stop], verbose=0)
+    assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+    assert len(history.history["loss"]) == 2  # epoch 0, then one epoch without improvement
+    assert history.epoch == [0, 1]
+
+
+def test_model_checkpoint_csv_logger_and_lr_scheduler(tmp_path, data_1001):
+    x, y = data_1001
+    par = make()
+    callbacks = [
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "w-{epoch}.weights.h5"), save_weights_only=True),
+        keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),
+        keras.callbacks.LearningRateScheduler(lambda epoch: 0.5 / (epoch + 1)),
+    ]
+    par.fit(x, y, batch_size=100, epochs=3, callbacks=callbacks, verbose=0)
+    assert sorted(os.listdir(tmp_path)) == ["log.csv", "w-1.weights.h5", "w-2.weights.h5", "w-3.weights.h5"]
+    rows = list(csv.DictReader(open(tmp_path / "log.csv")))
+    assert [int(r["epoch"]) for r in rows] == [0, 1, 2]
+    assert float(par.model.optimizer.learning_rate.numpy()) == pytest.approx(0.5 / 3)
+    restored = small_mlp()
+    restored.load_weights(str(tmp_path / "w-3.weights.h5"))
+    for a, b in zip(restored.get_weights(), par.model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_tensorboard_writes_events(tmp_path, data_1001):
+    x, y = data_1001
+    par = make()
+    par.fit(x, y, batch_size=100, epochs=2, callbacks=[keras.callbacks.TensorBoard(str(tmp_path))], verbose=0)
+    events = [f for _, _, files in os.walk(tmp_path) for f in files if "tfevents" in f]
+    assert events
+
+
+def test_terminate_on_nan_stops_training():
+    par = Parallel("mirrored", devices=2)
+    par.build(small_mlp, optimizer="sgd", loss="mse")
+    x, y = np.ones((256, 8), "float32"), np.full((256, 3), np.nan, "float32")
+    history = par.fit(x, y, batch_size=32, epochs=5, callbacks=[keras.callbacks.TerminateOnNaN()], verbose=0)
+    assert len(history.history["loss"]) == 1 and np.isnan(history.history["loss"][0])
+
+
+def test_verbose_shows_the_keras_progress_bar(capsys, data_1001):
+    x, y = data_1001
+    make().fit(x, y, batch_size=100, epochs=2, verbose=1)
+    out = capsys.readouterr().out
+    assert "Epoch 1/2" in out and "Epoch 2/2" in out and "11/11" in out and "loss:" in out
+
+
+def test_regression_metrics_and_loss_strings(data_1001):
+    x, _ = data_1001
+    target = x[:, :2] * 2.0
+    par = Parallel("mirrored", devices=4, seed=0)
+    par.build(lambda: keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)]), "adam", "mse", ["mae"])
+    par.fit(x, target, batch_size=64, epochs=2, verbose=0)
+    result = par.evaluate(x, target)
+    predictions = par.predict(x)
+    assert result["loss"] == pytest.approx(float(np.mean((predictions - target) ** 2)), rel=1e-4)
+    assert result["mae"] == pytest.approx(float(np.mean(np.abs(predictions - target))), rel=1e-4)
+
+
+def test_demo_trains_every_backend_to_90_percent():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    done = subprocess.run(
+        [sys.executable, "-m", "paraml", "demo", "--devices", "2"], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if line[:1].isalpha() and len(line.split()) == 5]
+    table = {r[0]: float(r[2]) for r in rows}
+    assert {"single", "mirrored", "central_storage"} <= set(table)
+    assert min(table.values()) >= 0.9
