@@ -43,9 +43,7 @@ TWO_WORKERS = {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}
             'no "cluster" key',
             id="no-cluster",
         ),
-        pytest.param(
-            _cfg(cluster=["a:1"], task={}), "not an object", id="cluster-not-object"
-        ),
+        pytest.param(_cfg(cluster=["a:1"], task={}), "not an object", id="cluster-not-object"),
         pytest.param(
             _cfg(cluster={"ps": ["h:1"]}, task={"type": "ps", "index": 0}),
             'no "worker" (nor "chief") job',
@@ -67,9 +65,7 @@ TWO_WORKERS = {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}
             id="address-not-string",
         ),
         pytest.param(
-            _cfg(
-                cluster={"worker": ["localhost"]}, task={"type": "worker", "index": 0}
-            ),
+            _cfg(cluster={"worker": ["localhost"]}, task={"type": "worker", "index": 0}),
             '"localhost", which has no port',
             id="address-no-port",
         ),
@@ -99,21 +95,15 @@ TWO_WORKERS = {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}
             id="two-chiefs",
         ),
         pytest.param(_cfg(cluster=TWO_WORKERS), 'no "task" key', id="no-task"),
-        pytest.param(
-            _cfg(cluster=TWO_WORKERS, task=[0]), '"task" is list', id="task-not-object"
-        ),
-        pytest.param(
-            _cfg(cluster=TWO_WORKERS, task={"index": 0}), 'no "type" key', id="no-type"
-        ),
+        pytest.param(_cfg(cluster=TWO_WORKERS, task=[0]), '"task" is list', id="task-not-object"),
+        pytest.param(_cfg(cluster=TWO_WORKERS, task={"index": 0}), 'no "type" key', id="no-type"),
         pytest.param(
             _cfg(cluster=TWO_WORKERS, task={"type": "chief", "index": 0}),
             "task type 'chief' is not a job in the cluster (the cluster has: worker)",
             id="type-not-in-cluster",
         ),
         pytest.param(
-            _cfg(
-                cluster={**TWO_WORKERS, "ps": ["p:1"]}, task={"type": "ps", "index": 0}
-            ),
+            _cfg(cluster={**TWO_WORKERS, "ps": ["p:1"]}, task={"type": "ps", "index": 0}),
             'task type "ps" is not supported',
             id="type-ps",
         ),
@@ -209,9 +199,7 @@ def test_make_tf_config_is_standard_tf_json() -> None:
         (["nohost"], 0, "no port"),
     ],
 )
-def test_make_tf_config_rejects_bad_input(
-    addresses: list[str], index: int, fault: str
-) -> None:
+def test_make_tf_config_rejects_bad_input(addresses: list[str], index: int, fault: str) -> None:
     with pytest.raises(ClusterConfigError, match=fault):
         make_tf_config(addresses, index)
 
@@ -245,9 +233,7 @@ def test_chief_layout_worker_tasks(index: int, global_index: int) -> None:
 
 
 def test_chief_only_cluster() -> None:
-    info = parse_tf_config(
-        _cfg(cluster={"chief": ["c:1"]}, task={"type": "chief", "index": 0})
-    )
+    info = parse_tf_config(_cfg(cluster={"chief": ["c:1"]}, task={"type": "chief", "index": 0}))
     assert info is not None
     assert (info.num_workers, info.worker_index, info.is_chief) == (1, 0, True)
 

@@ -158,9 +158,7 @@ def test_two_workers_get_their_index_and_prefixed_output(tmp_path: Path) -> None
     assert "[worker 1] index=1 task=1 num=2 unbuffered=1" in lines
     assert "[worker 0] to-stderr 0" in lines
     assert "[worker 1] to-stderr 1" in lines
-    clusters = [
-        json.loads(line.split("cluster=", 1)[1]) for line in lines if "cluster=" in line
-    ]
+    clusters = [json.loads(line.split("cluster=", 1)[1]) for line in lines if "cluster=" in line]
     assert len(clusters) == 2
     assert clusters[0] == clusters[1]  # every worker sees the same cluster
     hosts_ports = [address.rsplit(":", 1) for address in clusters[0]]
@@ -170,9 +168,7 @@ def test_two_workers_get_their_index_and_prefixed_output(tmp_path: Path) -> None
     assert signal.getsignal(signal.SIGTERM) == sigterm_before
 
 
-def test_args_and_env_are_passed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_args_and_env_are_passed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     script = _script(
         tmp_path,
         """
@@ -319,12 +315,8 @@ def test_explicit_port_range_is_used(tmp_path: Path) -> None:
     assert f"[worker 1] cluster={json.dumps(expected)}" in out.getvalue().splitlines()
 
 
-@pytest.mark.parametrize(
-    ("sig", "expected"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)]
-)
-def test_signal_to_launcher_stops_workers(
-    tmp_path: Path, sig: int, expected: int
-) -> None:
+@pytest.mark.parametrize(("sig", "expected"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_to_launcher_stops_workers(tmp_path: Path, sig: int, expected: int) -> None:
     """Ctrl-C (SIGINT) and SIGTERM to the launcher are forwarded; no worker survives."""
     script = _script(tmp_path, "time.sleep(1000)\n")
     # SIGINT may be ignored when tests run in the background; restore Python's default.
@@ -345,10 +337,7 @@ def test_signal_to_launcher_stops_workers(
     )
     try:
         for _ in range(1000):  # both workers are up within ~50 s
-            if (
-                all((tmp_path / f"pid{i}").exists() for i in range(2))
-                or launcher.poll() is not None
-            ):
+            if all((tmp_path / f"pid{i}").exists() for i in range(2)) or launcher.poll() is not None:
                 break
             time.sleep(0.05)
         assert launcher.poll() is None, "launcher ended before its workers started"
@@ -393,9 +382,7 @@ def test_port_in_use_is_reported_before_starting(tmp_path: Path) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with pytest.raises(
-            PortUnavailableError, match=f"port {port} on 127.0.0.1"
-        ) as excinfo:
+        with pytest.raises(PortUnavailableError, match=f"port {port} on 127.0.0.1") as excinfo:
             launch(str(script), num_workers=1, port=port, out=io.StringIO())
     assert isinstance(excinfo.value, OSError)
     assert not (tmp_path / "pid0").exists()  # nothing was started
@@ -419,9 +406,7 @@ def test_find_free_ports() -> None:
 # ------------------------------------------------------------------------------ CLI
 
 
-def test_main_runs_the_script(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_main_runs_the_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     script = _script(tmp_path, 'print("argv=" + json.dumps(sys.argv[1:]))\n')
     assert main(["-n", "1", str(script), "-n", "5", "--flag"]) == 0
     assert '[worker 0] argv=["-n", "5", "--flag"]' in capsys.readouterr().out
@@ -452,9 +437,7 @@ def test_main_reports_bad_input(
     assert err.count("\n") == 1  # one line, no traceback
 
 
-def test_main_reports_port_in_use(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_main_reports_port_in_use(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     script = _script(tmp_path, "")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
         busy.bind(("127.0.0.1", 0))
@@ -487,18 +470,14 @@ def test_python_dash_m_entry_point(tmp_path: Path) -> None:
     assert "paraml launch: error: the number of workers must be" in result.stderr
 
 
-def test_run_from_args_with_a_subparser(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_run_from_args_with_a_subparser(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """How the paraml CLI uses this module: add_arguments on a subparser, then run_from_args."""
     parser = argparse.ArgumentParser(prog="paraml")
     sub = parser.add_subparsers(dest="command", required=True)
     add_arguments(sub.add_parser("launch"))
     script = _script(tmp_path, 'print("n=" + os.environ["PARAML_NUM_WORKERS"])\n')
 
-    ns = parser.parse_args(
-        ["launch", "--num-workers", "3", "--stop-timeout", "2", str(script), "a"]
-    )
+    ns = parser.parse_args(["launch", "--num-workers", "3", "--stop-timeout", "2", str(script), "a"])
 
     assert (ns.num_workers, ns.port, ns.stop_timeout, ns.script_args) == (
         3,

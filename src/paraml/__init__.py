@@ -26,7 +26,7 @@ _EXPORTS = {
     "load_digits": "datasets",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+__all__ = ["Parallel", "__version__", "list_devices", "load_digits", "simulate_devices"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from .datasets import load_digits

@@ -35,10 +35,7 @@ _ENV_VAR = "TF_CONFIG"
 # Job names that take part in synchronous (MultiWorkerMirroredStrategy) training.
 _TRAINING_JOBS = ("chief", "worker")
 
-_EXAMPLE = (
-    '{"cluster": {"worker": ["host1:12345", "host2:12345"]}, '
-    '"task": {"type": "worker", "index": 0}}'
-)
+_EXAMPLE = '{"cluster": {"worker": ["host1:12345", "host2:12345"]}, "task": {"type": "worker", "index": 0}}'
 _HINT = f"Fix: set TF_CONFIG to a JSON like {_EXAMPLE}, or unset it for a single-process run."
 
 
@@ -122,9 +119,7 @@ class ClusterSpecInfo:
         """
         if self.task_type == "chief":
             return True
-        return (
-            self.task_type == "worker" and self.task_index == 0 and not self.has_chief
-        )
+        return self.task_type == "worker" and self.task_index == 0 and not self.has_chief
 
 
 def _check_address(job: str, position: int, address: Any) -> str:
@@ -137,9 +132,7 @@ def _check_address(job: str, position: int, address: Any) -> str:
     try:
         port = int(port_text, 10)
     except ValueError:
-        raise _error(
-            f'{where} is "{address}", whose port "{port_text}" is not an integer'
-        ) from None
+        raise _error(f'{where} is "{address}", whose port "{port_text}" is not an integer') from None
     if not 1 <= port <= 65535:
         raise _error(f'{where} is "{address}", whose port {port} is not in 1..65535')
     return address
@@ -148,21 +141,17 @@ def _check_address(job: str, position: int, address: Any) -> str:
 def _check_job(job: str, tasks: Any) -> tuple[str, ...]:
     if not isinstance(tasks, list):
         raise _error(
-            f'TF_CONFIG cluster job "{job}" is {type(tasks).__name__} {tasks!r}, '
-            'not a list of "host:port" strings'
+            f'TF_CONFIG cluster job "{job}" is {type(tasks).__name__} {tasks!r}, not a list of "host:port" strings'
         )
     if not tasks:
-        raise _error(
-            f'TF_CONFIG cluster job "{job}" is an empty list; list its "host:port" addresses'
-        )
+        raise _error(f'TF_CONFIG cluster job "{job}" is an empty list; list its "host:port" addresses')
     return tuple(_check_address(job, i, address) for i, address in enumerate(tasks))
 
 
 def _check_task(task: Any, jobs: Mapping[str, tuple[str, ...]]) -> tuple[str, int]:
     if not isinstance(task, dict):
         raise _error(
-            f'TF_CONFIG "task" is {type(task).__name__} {task!r}, '
-            'not an object like {"type": "worker", "index": 0}'
+            f'TF_CONFIG "task" is {type(task).__name__} {task!r}, not an object like {{"type": "worker", "index": 0}}'
         )
     if "type" not in task:
         raise _error('TF_CONFIG "task" has no "type" key (e.g. "worker")')
@@ -178,16 +167,13 @@ def _check_task(task: Any, jobs: Mapping[str, tuple[str, ...]]) -> tuple[str, in
             'training, where every process is a "chief" or a "worker"'
         )
     if "index" not in task:
-        raise _error(
-            'TF_CONFIG "task" has no "index" key (an integer position in its job)'
-        )
+        raise _error('TF_CONFIG "task" has no "index" key (an integer position in its job)')
     index = task["index"]
     size = len(jobs[task_type])
     # bool is a subclass of int in Python, but `"index": true` is certainly a mistake.
     if not isinstance(index, int) or isinstance(index, bool):
         raise _error(
-            f"TF_CONFIG task index {index!r} is not an integer; "
-            f'it must be in 0..{size - 1} for job "{task_type}"'
+            f'TF_CONFIG task index {index!r} is not an integer; it must be in 0..{size - 1} for job "{task_type}"'
         )
     if not 0 <= index < size:
         raise _error(
@@ -246,14 +232,11 @@ def parse_tf_config(value: str | None = None) -> ClusterSpecInfo | None:
         )
     if not any(job in cluster for job in _TRAINING_JOBS):
         jobs_found = ", ".join(sorted(map(str, cluster))) or "none"
-        raise _error(
-            f'TF_CONFIG "cluster" has no "worker" (nor "chief") job; jobs found: {jobs_found}'
-        )
+        raise _error(f'TF_CONFIG "cluster" has no "worker" (nor "chief") job; jobs found: {jobs_found}')
     jobs = {str(job): _check_job(str(job), tasks) for job, tasks in cluster.items()}
     if len(jobs.get("chief", ())) > 1:
         raise _error(
-            f'TF_CONFIG cluster job "chief" has {len(jobs["chief"])} addresses; '
-            "a cluster has at most one chief"
+            f'TF_CONFIG cluster job "chief" has {len(jobs["chief"])} addresses; a cluster has at most one chief'
         )
     if "task" not in config:
         raise _error('TF_CONFIG has no "task" key saying which task this process is')

@@ -39,7 +39,9 @@ class GlobalBatches:
         ds = self.base
         if self.batch_size is not None:  # built from arrays: shuffle samples, then batch
             if self.shuffle:
-                ds = ds.shuffle(self.num_samples or 1, seed=epoch_seed(self.seed, epoch), reshuffle_each_iteration=False)
+                ds = ds.shuffle(
+                    self.num_samples or 1, seed=epoch_seed(self.seed, epoch), reshuffle_each_iteration=False
+                )
             ds = ds.batch(self.batch_size)
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA

@@ -10,7 +10,9 @@ import numpy as np
 __all__ = ["load_digits"]
 
 
-def load_digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+def load_digits(
+    test_fraction: float = 0.2, seed: int = 0
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """The UCI optical handwritten digits (1,797 8x8 images, labels 0..9; CC BY 4.0, see ``paraml/data/README.md``).
 
     Returns ``(x_train, y_train), (x_test, y_test)``: images as float32 in [0, 1] with shape ``(n, 8, 8, 1)`` and

@@ -9,7 +9,7 @@ from typing import TextIO
 __all__ = ["DemoResult", "digits_model", "run_demo"]
 
 
-def digits_model() -> "keras.Model":  # noqa: F821 - keras is imported lazily
+def digits_model() -> keras.Model:  # noqa: F821 - keras is imported lazily
     """The demo's classifier: a small MLP over the 8x8 digit images."""
     import keras
 
@@ -44,7 +44,9 @@ def default_backends(num_devices: int) -> list[tuple[str, int]]:
     return [(name, 1 if name == "single" else num_devices) for name in names]
 
 
-def run_demo(num_devices: int = 2, epochs: int = 20, batch_size: int = 64, out: TextIO | None = None) -> list[DemoResult]:
+def run_demo(
+    num_devices: int = 2, epochs: int = 20, batch_size: int = 64, out: TextIO | None = None
+) -> list[DemoResult]:
     """Train :func:`digits_model` under each backend and print a table of accuracy, time and throughput.
 
     Simulates ``num_devices`` devices first when the machine has fewer, so call it at program start.

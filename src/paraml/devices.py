@@ -130,8 +130,11 @@ def resolve_devices(devices: None | int | str | Sequence[str]) -> tuple[str, ...
         if devices < 1:
             raise ValueError(f"devices must be at least 1, got {devices}")
         if devices > len(available):
-            hint = f" (call paraml.simulate_devices({devices}) at program start to simulate them)" if (
-                not available or "CPU" in available[0]) else ""
+            hint = (
+                f" (call paraml.simulate_devices({devices}) at program start to simulate them)"
+                if (not available or "CPU" in available[0])
+                else ""
+            )
             raise ValueError(
                 f"devices={devices} asks for more devices than exist: this process has {len(available)} "
                 f"({', '.join(available)}){hint}"

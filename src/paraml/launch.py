@@ -97,8 +97,7 @@ def _check_ports_free(first: int, n: int) -> list[int]:
     last = first + n - 1
     if not 1 <= first <= 65535 or last > 65535:
         raise ValueError(
-            f"--port {first} with {n} worker(s) needs ports {first}..{last}, "
-            "which must all lie in 1..65535"
+            f"--port {first} with {n} worker(s) needs ports {first}..{last}, which must all lie in 1..65535"
         )
     ports = list(range(first, last + 1))
     for port in ports:
@@ -189,9 +188,7 @@ def _pump(pipe: IO[bytes], prefix: str, output: _Output) -> None:
             output.line(prefix + text)
 
 
-def _stop(
-    procs: Sequence[subprocess.Popen[bytes]], sig: int, timeout: float, output: _Output
-) -> None:
+def _stop(procs: Sequence[subprocess.Popen[bytes]], sig: int, timeout: float, output: _Output) -> None:
     """Send ``sig`` to every worker group, wait up to ``timeout`` s, then SIGKILL."""
     _signal_groups(procs, sig)
     deadline = time.monotonic() + timeout
@@ -202,9 +199,7 @@ def _stop(
     stuck = [i for i, p in enumerate(procs) if _exit_code(p) is None]
     if stuck:
         names = ", ".join(map(str, stuck))
-        output.line(
-            f"{_PREFIX} worker(s) {names} still running after {timeout:g} s; killing them"
-        )
+        output.line(f"{_PREFIX} worker(s) {names} still running after {timeout:g} s; killing them")
     _signal_groups(procs, signal.SIGKILL)
 
 
@@ -268,14 +263,8 @@ def launch(
         0
     """
     # --- validation: nothing is started unless all of it passes ---
-    if (
-        isinstance(num_workers, bool)
-        or not isinstance(num_workers, int)
-        or num_workers < 1
-    ):
-        raise ValueError(
-            f"the number of workers must be an integer >= 1, got {num_workers!r}"
-        )
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"the number of workers must be an integer >= 1, got {num_workers!r}")
     if stop_timeout < 0:
         raise ValueError(f"stop_timeout must be >= 0 seconds, got {stop_timeout!r}")
     if isinstance(args, str):
@@ -339,9 +328,7 @@ def launch(
             for index, code in enumerate(codes):
                 if code is not None and code != 0:
                     others = "; stopping the others" if num_workers > 1 else ""
-                    output.line(
-                        f"{_PREFIX} worker {index} {_describe_exit(code)}{others}"
-                    )
+                    output.line(f"{_PREFIX} worker {index} {_describe_exit(code)}{others}")
                     _stop(procs, signal.SIGTERM, stop_timeout, output)
                     return code
             if all(code == 0 for code in codes):
@@ -427,9 +414,7 @@ def run_from_args(ns: argparse.Namespace) -> int:
             stop_timeout=ns.stop_timeout,
         )
     except (ValueError, OSError) as exc:  # FileNotFoundError is an OSError
-        message = (
-            exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        )
+        message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         if isinstance(exc, FileNotFoundError) and exc.filename:
             message = f"{message}: {exc.filename}"
         print(f"paraml launch: error: {message}", file=sys.stderr)

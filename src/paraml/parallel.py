@@ -10,7 +10,6 @@ import keras
 from . import backends
 from .backends.base import Backend
 from .data import GlobalBatches, global_batches
-from .devices import resolve_devices
 from .training import Trainer, make_optimizer, resolve_loss, resolve_metrics
 
 __all__ = ["Parallel"]
@@ -19,6 +18,9 @@ __all__ = ["Parallel"]
 COMMON_OPTIONS = ("seed", "steps_per_execution")
 
 Verbose = int | str | bool
+
+#: Keras callbacks that write files which must exist once: under multi_worker only the chief runs them.
+CHIEF_ONLY_CALLBACKS = (keras.callbacks.ModelCheckpoint, keras.callbacks.CSVLogger, keras.callbacks.TensorBoard)
 
 
 def _verbosity(verbose: Verbose, default: int) -> int:
@@ -72,11 +74,9 @@ class Parallel:
             raise ValueError(f"steps_per_execution must be a positive int, got {steps_per_execution!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
-        if devices is None and not backend_class.uses_all_devices:
-            devices = 1
         self.seed = seed
         self.steps_per_execution = steps_per_execution
-        self.backend: Backend = backend_class(resolve_devices(devices), **options)
+        self.backend: Backend = backend_class(devices, **options)
         self._trainer: Trainer | None = None
 
     # -- what was chosen ----------------------------------------------------------------------------------------------
@@ -99,6 +99,16 @@ class Parallel:
     def is_chief(self) -> bool:
         """True in the process that writes files that must exist once."""
         return self.backend.is_chief
+
+    @property
+    def worker_index(self) -> int:
+        """This process's index among the workers (0 is the chief; always 0 on one machine)."""
+        return self.backend.worker_index
+
+    @property
+    def num_workers(self) -> int:
+        """How many processes train together (1 except under ``multi_worker``)."""
+        return self.backend.num_workers
 
     @property
     def model(self) -> keras.Model:
@@ -156,7 +166,9 @@ class Parallel:
         return model
 
     # -- train, evaluate, predict -------------------------------------------------------------------------------------
-    def _batches(self, x: Any, y: Any, batch_size: int, *, shuffle: bool = False, targets: bool = True) -> GlobalBatches:
+    def _batches(
+        self, x: Any, y: Any, batch_size: int, *, shuffle: bool = False, targets: bool = True
+    ) -> GlobalBatches:
         return global_batches(
             x,
             y,
@@ -193,6 +205,8 @@ class Parallel:
         for callback in callbacks or ():
             if not isinstance(callback, keras.callbacks.Callback):
                 raise TypeError(f"callbacks must be keras.callbacks.Callback instances, got {callback!r}")
+        if not self.is_chief:  # files that must exist once are the chief's (TF's multi-worker convention)
+            callbacks = [c for c in callbacks or () if not isinstance(c, CHIEF_ONLY_CALLBACKS)]
         source = self._batches(x, y, batch_size, shuffle=shuffle)
         validation = None
         if validation_data is not None:

@@ -16,7 +16,12 @@ from typing import Any, ClassVar
 import keras
 import tensorflow as tf
 
-__all__ = ["Backend", "Objective"]
+from ..devices import resolve_devices
+
+__all__ = ["Backend", "DeviceSpec", "Objective"]
+
+#: What users pass as ``devices=``: None (all), a count, a device name or a sequence of names.
+DeviceSpec = None | int | str | Sequence[str]
 
 #: ``objective(y_pred, y, sample_weight, first) -> scalar``: the loss to differentiate for (a part of) a replica's
 #: batch. ``first`` is True for exactly one part per step (where per-step terms such as regularisation are added).
@@ -38,9 +43,15 @@ class Backend(abc.ABC):
     #: Whether ``devices=None`` means "every local device" (True) or "the first device" (False).
     uses_all_devices: ClassVar[bool] = True
 
-    def __init__(self, devices: Sequence[str], **options: Any) -> None:
-        self.devices: tuple[str, ...] = tuple(devices)
+    def __init__(self, devices: DeviceSpec = None, **options: Any) -> None:
         self.options: Mapping[str, Any] = dict(options)
+        self.devices: tuple[str, ...] = self.resolve_devices(devices)
+
+    def resolve_devices(self, devices: DeviceSpec) -> tuple[str, ...]:
+        """This process's devices for the ``devices=`` argument (see :func:`paraml.devices.resolve_devices`)."""
+        if devices is None and not self.uses_all_devices:
+            devices = 1
+        return resolve_devices(devices)
 
     # -- who am I (multi-worker backends override these) --------------------------------------------------------
     @property

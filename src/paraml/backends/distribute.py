@@ -1,4 +1,4 @@
-"""The tf.distribute backends: ``single``, ``mirrored`` and ``central_storage``.
+"""The tf.distribute backends: ``single``, ``mirrored``, ``central_storage`` and ``multi_worker``.
 
 They share every line of their behaviour and differ only in how the ``tf.distribute.Strategy`` is built, so each is
 a ``make_strategy`` on top of :class:`StrategyBackend`.
@@ -13,17 +13,18 @@ from typing import Any
 
 import tensorflow as tf
 
+from ..cluster import ClusterConfigError, parse_tf_config
 from ..devices import canonical_device
-from .base import Backend
+from .base import Backend, DeviceSpec
 from .registry import register
 
-__all__ = ["CentralStorageBackend", "MirroredBackend", "SingleBackend", "StrategyBackend"]
+__all__ = ["CentralStorageBackend", "MirroredBackend", "MultiWorkerBackend", "SingleBackend", "StrategyBackend"]
 
 
 class StrategyBackend(Backend):
     """A backend that is a ``tf.distribute.Strategy``; subclasses only say how to build the strategy."""
 
-    def __init__(self, devices: Sequence[str], **options: Any) -> None:
+    def __init__(self, devices: DeviceSpec = None, **options: Any) -> None:
         super().__init__(devices, **options)
         self.strategy: tf.distribute.Strategy = self.make_strategy()
 
@@ -134,3 +135,91 @@ class CentralStorageBackend(StrategyBackend):
 
     def describe(self) -> str:
         return super().describe() + f"; variables on {self.parameter_device}"
+
+
+_COMMUNICATION = {"auto": "AUTO", "ring": "RING", "nccl": "NCCL"}
+
+
+@register("multi_worker")
+class MultiWorkerBackend(StrategyBackend):
+    """Many machines (``tf.distribute.MultiWorkerMirroredStrategy``): every worker process runs the same script;
+    TensorFlow's collective all-reduce over gRPC keeps their variables identical.
+
+    The cluster comes from ``TF_CONFIG`` (``paraml launch`` sets it for local runs) or from the option
+    ``cluster_resolver`` (any ``tf.distribute.cluster_resolver`` object, e.g. ``SlurmClusterResolver``).
+    ``communication`` is ``"auto"``, ``"ring"`` or ``"nccl"``. Each worker uses its local devices (every GPU, else
+    the CPU). Create it at program start: TensorFlow must not have initialised its devices yet.
+
+    Each worker::
+
+        par = Parallel("multi_worker")          # reads TF_CONFIG
+        par.build(make_model, optimizer="adam", loss="mse")
+        par.fit(x, y, batch_size=256)           # the global batch; each worker reads its shard
+        if par.is_chief:
+            par.model.save_weights("model.weights.h5")
+    """
+
+    option_names = ("cluster_resolver", "communication")
+
+    def resolve_devices(self, devices: DeviceSpec) -> tuple[str, ...]:
+        if devices is not None:
+            raise ValueError(
+                f"strategy 'multi_worker' uses each worker's local devices, got devices={devices!r}: leave devices "
+                "unset and choose a worker's devices with CUDA_VISIBLE_DEVICES (or tf.config.set_visible_devices)"
+            )
+        communication = self.options.get("communication", "auto")
+        if communication not in _COMMUNICATION:
+            raise ValueError(
+                f"communication must be one of {', '.join(map(repr, _COMMUNICATION))}, got {communication!r}"
+            )
+        resolver = self.options.get("cluster_resolver")
+        if resolver is None:
+            self.cluster = parse_tf_config()
+            if self.cluster is None:
+                raise ClusterConfigError(
+                    "strategy 'multi_worker' needs a cluster: TF_CONFIG is not set. Start the script with "
+                    "`paraml launch -n 2 script.py` (it sets TF_CONFIG), set TF_CONFIG yourself, or pass "
+                    "cluster_resolver="
+                )
+        elif not isinstance(resolver, tf.distribute.cluster_resolver.ClusterResolver):
+            raise ValueError(f"cluster_resolver must be a tf.distribute.cluster_resolver object, got {resolver!r}")
+        # The strategy must exist before anything initialises TensorFlow's devices (field notes, 5), so it is
+        # built here, ahead of the device lookup, and its devices are read back from it.
+        options = tf.distribute.experimental.CommunicationOptions(
+            implementation=getattr(
+                tf.distribute.experimental.CommunicationImplementation, _COMMUNICATION[communication]
+            )
+        )
+        try:
+            self._strategy = tf.distribute.MultiWorkerMirroredStrategy(
+                cluster_resolver=resolver, communication_options=options
+            )
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"could not start MultiWorkerMirroredStrategy ({error}); create Parallel('multi_worker') at program "
+                "start, before anything creates tensors or lists devices"
+            ) from None
+        return tuple(canonical_device(d) for d in self._strategy.extended.worker_devices)
+
+    def make_strategy(self) -> tf.distribute.Strategy:
+        return self._strategy
+
+    @property
+    def _resolver(self) -> tf.distribute.cluster_resolver.ClusterResolver:
+        return self.strategy.cluster_resolver
+
+    @property
+    def num_workers(self) -> int:
+        spec = self._resolver.cluster_spec()
+        return sum(spec.num_tasks(job) for job in ("chief", "worker") if job in spec.jobs)
+
+    @property
+    def worker_index(self) -> int:
+        spec, resolver = self._resolver.cluster_spec(), self._resolver
+        has_chief = "chief" in spec.jobs
+        if resolver.task_type == "chief":
+            return 0
+        return int(resolver.task_id) + (1 if has_chief else 0)
+
+    def describe(self) -> str:
+        return f"multi_worker: worker {self.worker_index} of {self.num_workers}, " + super().describe()

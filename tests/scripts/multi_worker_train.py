@@ -1,0 +1,41 @@
+"""A worker of `paraml launch`: trains on the digits data with Parallel("multi_worker") and saves what it got.
+
+Usage: multi_worker_train.py OUT_DIR [--fail-worker N]
+"""
+
+import argparse
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from paraml import Parallel, load_digits  # noqa: E402
+from paraml.demo import digits_model  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("--fail-worker", type=int, default=-1)
+args = parser.parse_args()
+
+par = Parallel("multi_worker", seed=0)  # first: the strategy must exist before TF initialises its devices
+print(f"worker {par.worker_index} of {par.num_workers}, chief={par.is_chief}, replicas={par.num_replicas}", flush=True)
+if par.worker_index == args.fail_worker:
+    raise RuntimeError("this worker fails on purpose")
+
+(x, y), (x_test, y_test) = load_digits()
+par.build(digits_model, optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+initial = par.model.get_weights()
+history = par.fit(x, y, batch_size=64, epochs=2, verbose=0)
+result = par.evaluate(x_test, y_test, batch_size=100)
+predictions = par.predict(x_test, batch_size=100)
+np.savez(
+    os.path.join(args.out, f"worker{par.worker_index}.npz"),
+    predictions=predictions,
+    loss=history.history["loss"],
+    test_accuracy=result["accuracy"],
+    **{f"initial{i}": w for i, w in enumerate(initial)},
+    **{f"final{i}": w for i, w in enumerate(par.model.get_weights())},
+)
+print(f"done: test accuracy {result['accuracy']:.3f}", flush=True)

@@ -1,0 +1,107 @@
+"""multi_worker: real 2-worker runs through `paraml launch` (each worker is its own process, field notes 5)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+from paraml import Parallel, load_digits
+from paraml.cluster import ClusterConfigError, make_tf_config
+from paraml.demo import digits_model
+
+SCRIPT = Path(__file__).parent / "scripts" / "multi_worker_train.py"
+
+
+def run_launch(*args, timeout=240):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("TF_CONFIG", None)
+    return subprocess.run(
+        [sys.executable, "-m", "paraml", "launch", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mw")
+    done = run_launch("-n", "2", str(SCRIPT), str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done, [np.load(out / f"worker{i}.npz") for i in range(2)]
+
+
+def weights(saved, prefix):
+    return [saved[f"{prefix}{i}"] for i in range(sum(k.startswith(prefix) for k in saved.files))]
+
+
+def test_launch_streams_prefixed_output(two_workers):
+    done, _ = two_workers
+    assert "[worker 0] worker 0 of 2, chief=True, replicas=2" in done.stdout
+    assert "[worker 1] worker 1 of 2, chief=False, replicas=2" in done.stdout
+
+
+def test_both_workers_end_with_identical_weights(two_workers):
+    _, (w0, w1) = two_workers
+    for a, b in zip(weights(w0, "final"), weights(w1, "final")):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(w0["predictions"], w1["predictions"])
+
+
+def test_multi_worker_equals_single_on_the_same_global_batches(two_workers):
+    _, (w0, _) = two_workers
+    (x, y), (x_test, y_test) = load_digits()
+    par = Parallel("single", seed=0)
+    par.build(
+        digits_model,
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    par.model.set_weights(weights(w0, "initial"))
+    history = par.fit(x, y, batch_size=64, epochs=2, verbose=0)
+    for got, want in zip(weights(w0, "final"), par.model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(w0["loss"], history.history["loss"], rtol=1e-4)
+    # predict gathers both workers' shards back into input order (359 test samples: an uneven last batch)
+    np.testing.assert_allclose(w0["predictions"], par.predict(x_test, batch_size=100), rtol=1e-4, atol=1e-5)
+    assert float(w0["test_accuracy"]) == pytest.approx(par.evaluate(x_test, y_test, batch_size=100)["accuracy"])
+
+
+def test_a_failing_worker_stops_the_run(tmp_path):
+    # worker 1 raises after start-up; worker 0 waits in a collective: the launcher must stop it, not hang
+    done = run_launch("-n", "2", "--stop-timeout", "5", str(SCRIPT), str(tmp_path), "--fail-worker", "1", timeout=60)
+    assert done.returncode != 0
+    assert "this worker fails on purpose" in done.stdout + done.stderr
+    assert "worker 1 exited with code 1" in done.stdout + done.stderr
+    leftovers = subprocess.run(["pgrep", "-f", f"{SCRIPT} {tmp_path}"], capture_output=True, text=True)
+    assert leftovers.stdout.strip() == ""
+
+
+@pytest.mark.parametrize(
+    "value, fault",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"cluster": {"ps": ["127.0.0.1:1"]}, "task": {"type": "ps", "index": 0}}', "worker"),
+        (make_tf_config(["127.0.0.1:2222", "127.0.0.1:2223"], 0).replace('"index": 0', '"index": 5'), "index"),
+    ],
+)
+def test_malformed_tf_config_is_a_clear_error(monkeypatch, value, fault):
+    monkeypatch.setenv("TF_CONFIG", value)
+    with pytest.raises(ClusterConfigError, match=rf"TF_CONFIG.*{fault}|{fault}.*TF_CONFIG"):
+        Parallel("multi_worker")
+
+
+def test_missing_tf_config_says_how_to_launch(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(ClusterConfigError, match="paraml launch"):
+        Parallel("multi_worker")
+
+
+def test_multi_worker_rejects_devices_and_bad_options(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", make_tf_config(["127.0.0.1:2222"], 0))
+    with pytest.raises(ValueError, match="uses each worker's local devices"):
+        Parallel("multi_worker", devices=2)
+    with pytest.raises(ValueError, match="communication must be one of 'auto', 'ring', 'nccl', got 'mpi'"):
+        Parallel("multi_worker", communication="mpi")
