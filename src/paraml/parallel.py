@@ -10,6 +10,7 @@ import keras
 from . import backends
 from .backends.base import Backend
 from .data import GlobalBatches, global_batches
+from .partition import PartitionPlan
 from .training import Trainer, make_optimizer, resolve_loss, resolve_metrics
 
 __all__ = ["Parallel"]
@@ -115,6 +116,15 @@ class Parallel:
         """The model built by :meth:`build`."""
         return self._require_trainer("model").model
 
+    @property
+    def plan(self) -> PartitionPlan | None:
+        """The stage plan of ``model_parallel`` after :meth:`build` (``None`` for data-parallel strategies)."""
+        return getattr(self.backend, "plan", None)
+
+    def describe(self) -> str:
+        """A readable description of the backend: its devices and, for ``model_parallel``, the stage table."""
+        return self.backend.describe()
+
     def _require_trainer(self, action: str) -> Trainer:
         if self._trainer is None:
             raise RuntimeError(f"{action} needs a model: call par.build(model_fn, optimizer=..., loss=...) first")
@@ -145,7 +155,7 @@ class Parallel:
         loss_fn, loss_name = resolve_loss(loss)
         if self.seed is not None:
             keras.utils.set_random_seed(self.seed)
-        model = self.backend.build_model(model_fn)
+        model = self.backend.build_model(model_fn, optimizer)
         if not isinstance(model, keras.Model):
             raise TypeError(f"model_fn must return a keras.Model, it returned {type(model).__name__}")
         if not model.built or not model.weights:

@@ -25,7 +25,12 @@ if par.worker_index == args.fail_worker:
     raise RuntimeError("this worker fails on purpose")
 
 (x, y), (x_test, y_test) = load_digits()
-par.build(digits_model, optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+par.build(
+    digits_model,
+    optimizer=keras.optimizers.SGD(0.1),
+    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    metrics=["accuracy"],
+)
 initial = par.model.get_weights()
 history = par.fit(x, y, batch_size=64, epochs=2, verbose=0)
 result = par.evaluate(x_test, y_test, batch_size=100)

@@ -1,6 +1,6 @@
 """Backends: one module per way of spreading training over devices, picked by name through the registry."""
 
-from . import distribute  # noqa: F401  (registers single, mirrored, central_storage)
+from . import distribute, model_parallel  # noqa: F401  (each module registers its backends)
 from .base import Backend
 from .registry import available, get_backend, register
 

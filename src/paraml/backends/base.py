@@ -83,8 +83,12 @@ class Backend(abc.ABC):
         """The context under which metric variables (summed across replicas) are created; default :meth:`scope`."""
         return self.scope()
 
-    def build_model(self, model_fn: Callable[[], keras.Model]) -> keras.Model:
-        """Call ``model_fn`` so that the model's variables live where this backend wants them."""
+    def build_model(self, model_fn: Callable[[], keras.Model], optimizer: Any = None) -> keras.Model:
+        """Call ``model_fn`` so that the model's variables live where this backend wants them.
+
+        ``optimizer`` (what the user passed to ``build``) lets a backend that plans placement by memory count the
+        optimizer's slots; data-parallel backends ignore it.
+        """
         with self.scope():
             return model_fn()
 
