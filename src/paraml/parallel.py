@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import keras
 
 from . import backends
 from .backends.base import Backend
+from .checkpoint import CheckpointState, latest_checkpoint, restore_checkpoint, save_checkpoint
 from .data import GlobalBatches, global_batches
 from .partition import PartitionPlan
 from .training import Trainer, make_optimizer, resolve_loss, resolve_metrics
@@ -79,6 +82,7 @@ class Parallel:
         self.steps_per_execution = steps_per_execution
         self.backend: Backend = backend_class(devices, **options)
         self._trainer: Trainer | None = None
+        self._epochs_done = 0
 
     # -- what was chosen ----------------------------------------------------------------------------------------------
     @property
@@ -201,12 +205,20 @@ class Parallel:
         verbose: Verbose = "auto",
         shuffle: bool = True,
         initial_epoch: int = 0,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int | None = None,
+        keep: int | None = 3,
     ) -> keras.callbacks.History:
         """Train the model, as ``keras.Model.fit`` does, and return its ``History``.
 
         ``x``/``y`` are numpy arrays (``x`` may be a dict of arrays for a multi-input model) or ``x`` is a
         ``tf.data.Dataset`` of ``(x, y)`` global batches. ``batch_size`` is the global batch, split across replicas.
         Shuffling depends only on ``seed`` and the epoch. ``verbose=1`` shows the Keras progress bar.
+
+        With ``checkpoint_dir``, a checkpoint is saved at the end of every epoch (and every ``checkpoint_every``
+        steps), keeping the newest ``keep``; started again with the same directory, training resumes from the last
+        complete checkpoint and ends with the weights of a run that never stopped. (Resuming mid-epoch restores the
+        weights and the data position exactly; that epoch's logged averages then cover only the steps after it.)
         """
         trainer = self._require_trainer("fit")
         for name, value, low in (("epochs", epochs, 1), ("initial_epoch", initial_epoch, 0)):
@@ -217,6 +229,12 @@ class Parallel:
                 raise TypeError(f"callbacks must be keras.callbacks.Callback instances, got {callback!r}")
         if not self.is_chief:  # files that must exist once are the chief's (TF's multi-worker convention)
             callbacks = [c for c in callbacks or () if not isinstance(c, CHIEF_ONLY_CALLBACKS)]
+        if checkpoint_every is not None and (
+            isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1
+        ):
+            raise ValueError(f"checkpoint_every must be a positive int (steps) or None, got {checkpoint_every!r}")
+        if checkpoint_every is not None and checkpoint_dir is None:
+            raise ValueError("checkpoint_every needs checkpoint_dir: say where the checkpoints go")
         source = self._batches(x, y, batch_size, shuffle=shuffle)
         validation = None
         if validation_data is not None:
@@ -226,14 +244,70 @@ class Parallel:
                 validation = self._batches(validation_data[0], validation_data[1], batch_size)
             else:
                 validation = self._batches(validation_data, None, batch_size)
-        return trainer.fit(
+        start_step, on_progress = 0, None
+        if checkpoint_dir is not None:
+            if latest_checkpoint(checkpoint_dir) is not None:
+                state = self.restore(checkpoint_dir)
+                if state.epoch > initial_epoch or (state.epoch == initial_epoch and state.step):
+                    initial_epoch, start_step = state.epoch, state.step
+                    source = self._batches(x, y, batch_size, shuffle=shuffle)  # the checkpoint's seed decides order
+            on_progress = self._checkpointer(checkpoint_dir, checkpoint_every, keep)
+        history = trainer.fit(
             source,
             epochs=epochs,
             initial_epoch=initial_epoch,
             validation=validation,
             callbacks=callbacks,
             verbose=_verbosity(verbose, 1),
+            start_step=start_step,
+            on_progress=on_progress,
         )
+        if history.epoch:
+            self._epochs_done = history.epoch[-1] + 1
+        return history
+
+    def _checkpointer(
+        self, directory: str | os.PathLike[str], every: int | None, keep: int | None
+    ) -> Callable[[int, int, bool], None]:
+        """The hook that saves at each epoch's end and every ``every`` steps."""
+        last = {"step": 0}
+
+        def on_progress(epoch: int, steps_done: int, epoch_ended: bool) -> None:
+            if epoch_ended:
+                self.save(directory, keep=keep, progress=(epoch + 1, 0))
+                last["step"] = 0
+            elif every is not None and steps_done - last["step"] >= every:
+                self.save(directory, keep=keep, progress=(epoch, steps_done))
+                last["step"] = steps_done
+
+        return on_progress
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------------
+    def save(
+        self, path: str | os.PathLike[str], *, keep: int | None = None, progress: tuple[int, int] | None = None
+    ) -> Path:
+        """Save weights, optimizer state, the epoch/step reached and the shuffling seed into the directory ``path``.
+
+        The write is atomic (a crash during ``save`` leaves the previous checkpoint readable), in TensorFlow's
+        checkpoint format, and restores under any backend. Under ``multi_worker`` every worker calls it and only
+        the chief's copy is kept. Returns the new checkpoint's folder.
+        """
+        trainer = self._require_trainer("save")
+        epoch, step = progress if progress is not None else (self._epochs_done, 0)
+        self._epochs_done = epoch
+        state = CheckpointState(epoch, step, self.seed or 0)
+        return save_checkpoint(path, trainer.model, trainer.optimizer, state, keep=keep, write=self.is_chief)
+
+    def restore(self, path: str | os.PathLike[str]) -> CheckpointState:
+        """Load a checkpoint written by :meth:`save` (under any backend) into the built model and its optimizer.
+
+        ``path`` is a checkpoint directory (its newest checkpoint is used) or one checkpoint folder. Returns where
+        training stood; its seed becomes this object's seed, so a resumed run sees the same data order.
+        """
+        trainer = self._require_trainer("restore")
+        state = restore_checkpoint(path, trainer.model, trainer.optimizer)
+        self.seed, self._epochs_done = state.seed, state.epoch
+        return state
 
     def evaluate(self, x: Any, y: Any = None, *, batch_size: int = 32, verbose: Verbose = 0) -> dict[str, float]:
         """Loss and metrics over every sample of ``x``/``y``: ``{"loss": ..., "accuracy": ...}``."""

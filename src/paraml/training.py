@@ -196,13 +196,19 @@ class Trainer:
             metric.reset_state()
 
     def _run_epoch(
-        self, kind: str, source: GlobalBatches, epoch: int, on_batch: Callable[[int, dict[str, float]], bool] | None
+        self,
+        kind: str,
+        source: GlobalBatches,
+        epoch: int,
+        on_batch: Callable[[int, dict[str, float]], bool] | None,
+        start_step: int = 0,
     ) -> dict[str, float]:
-        """One pass over ``source``; ``on_batch(last_step, logs)`` returns True to stop early."""
+        """One pass over ``source`` from batch ``start_step``; ``on_batch(last_step, logs)`` returns True to stop."""
         self._reset_metrics()
-        iterator = iter(self.backend.distribute(source.dataset(epoch)))
+        dataset = source.dataset(epoch)
+        iterator = iter(self.backend.distribute(dataset.skip(start_step) if start_step else dataset))
         logs: dict[str, float] = {}
-        step = 0
+        step = start_step
         while source.steps is None or step < source.steps:
             k = 1 if source.steps is None else min(self.steps_per_execution, source.steps - step)
             try:
@@ -226,9 +232,14 @@ class Trainer:
         validation: GlobalBatches | None,
         callbacks: Sequence[keras.callbacks.Callback] | None,
         verbose: int,
-        on_epoch_end: Callable[[int], None] | None = None,
+        start_step: int = 0,
+        on_progress: Callable[[int, int, bool], None] | None = None,
     ) -> keras.callbacks.History:
-        """Train for ``epochs - initial_epoch`` epochs and return the History (as ``model.fit`` does)."""
+        """Train for ``epochs - initial_epoch`` epochs and return the History (as ``model.fit`` does).
+
+        ``start_step`` skips that many batches of the first epoch (a resumed run). ``on_progress(epoch, steps_done,
+        epoch_ended)`` is called after each execution and at each epoch's end (checkpointing hooks in there).
+        """
         model = self.model
         callback_list = keras.callbacks.CallbackList(
             list(callbacks or ()),
@@ -244,22 +255,27 @@ class Trainer:
         callback_list.on_train_begin()
         logs: dict[str, float] = {}
 
+        epoch = initial_epoch
+
         def on_batch(step: int, batch_logs: dict[str, float]) -> bool:
             callback_list.on_train_batch_end(step, batch_logs)
+            if on_progress is not None:
+                on_progress(epoch, step + 1, False)
             if not model.stop_training:
                 callback_list.on_train_batch_begin(step + 1)
             return bool(model.stop_training)
 
         for epoch in range(initial_epoch, epochs):
             callback_list.on_epoch_begin(epoch)
-            callback_list.on_train_batch_begin(0)
-            logs = self._run_epoch("train", source, epoch, on_batch)
+            first = start_step if epoch == initial_epoch else 0
+            callback_list.on_train_batch_begin(first)
+            logs = self._run_epoch("train", source, epoch, on_batch, first)
             if validation is not None:
                 val_logs = self._run_epoch("test", validation, 0, None)
                 logs.update({f"val_{name}": value for name, value in val_logs.items()})
             callback_list.on_epoch_end(epoch, logs)
-            if on_epoch_end is not None:
-                on_epoch_end(epoch)
+            if on_progress is not None:
+                on_progress(epoch, 0, True)
             if model.stop_training:
                 break
         callback_list.on_train_end(logs)

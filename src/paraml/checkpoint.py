@@ -1,0 +1,182 @@
+"""Checkpoints that survive crashes and move between backends.
+
+Layout of a checkpoint directory::
+
+    DIR/latest          the name of the newest complete checkpoint (replaced atomically)
+    DIR/ckpt-000003/    one complete checkpoint in TensorFlow's own format (``tf.train.Checkpoint``; never pickle)
+
+A save writes a new ``ckpt-N`` under a temporary name, renames it into place and only then points ``latest`` at it
+(write-then-rename, both atomic on POSIX). A crash at any moment leaves the previous checkpoint readable.
+
+Variables are stored by their position in ``model.weights`` and ``optimizer.variables``, not by name: Keras numbers
+auto-named layers per process, and every backend builds the same model from the same ``model_fn``, so positions are
+what stays the same across backends and processes. Alongside: the epoch and step reached and the shuffling seed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+__all__ = ["CheckpointState", "latest_checkpoint", "restore_checkpoint", "save_checkpoint"]
+
+_LATEST = "latest"
+_PREFIX = "ckpt"  # file prefix inside a checkpoint folder
+
+
+@dataclass(frozen=True)
+class CheckpointState:
+    """Where training stood when a checkpoint was written: epochs completed, steps into the next epoch, seed."""
+
+    epoch: int
+    step: int
+    seed: int
+
+
+def _trackables(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> dict[str, tf.Variable]:
+    tracked = {f"model_{i:05d}": v.value for i, v in enumerate(model.weights)}
+    tracked.update({f"optimizer_{i:05d}": v.value for i, v in enumerate(optimizer.variables)})
+    return tracked
+
+
+def _names(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """checkpoint key -> (the variable's path in this model, its shape), for error messages."""
+    named = {f"model_{i:05d}": (v.path, tuple(v.shape)) for i, v in enumerate(model.weights)}
+    named.update({f"optimizer_{i:05d}": (v.path, tuple(v.shape)) for i, v in enumerate(optimizer.variables)})
+    return named
+
+
+def _next_name(directory: Path) -> str:
+    numbers = [int(p.name.split("-")[1]) for p in directory.glob(f"{_PREFIX}-*") if p.name.split("-")[1].isdigit()]
+    return f"{_PREFIX}-{max(numbers, default=0) + 1:06d}"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(handle, "w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+def save_checkpoint(
+    directory: str | os.PathLike[str],
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer,
+    state: CheckpointState,
+    *,
+    keep: int | None = None,
+    write: bool = True,
+) -> Path:
+    """Write a new checkpoint into ``directory`` atomically and return its folder.
+
+    ``keep`` keeps only the newest K checkpoints. ``write=False`` (the non-chief workers of a multi-worker run)
+    writes to a temporary folder that is deleted at once, as TensorFlow's convention asks: every worker takes part,
+    only the chief's copy stays.
+    """
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be a positive int or None, got {keep!r}")
+    checkpoint = tf.train.Checkpoint(
+        **_trackables(model, optimizer),
+        progress=tf.Variable(np.array([state.epoch, state.step, state.seed], np.int64), trainable=False),
+    )
+    if not write:
+        scratch = Path(tempfile.mkdtemp(prefix="paraml-worker-ckpt-"))
+        try:
+            checkpoint.write(str(scratch / _PREFIX))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return scratch
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    name = _next_name(root)
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}."))
+    checkpoint.write(str(staging / _PREFIX))
+    for file in staging.iterdir():  # flush the data before the rename makes it visible
+        with open(file, "rb") as handle:
+            os.fsync(handle.fileno())
+    final = root / name
+    os.rename(staging, final)
+    _write_atomic(root / _LATEST, name + "\n")
+    if keep is not None:
+        complete = sorted(p for p in root.glob(f"{_PREFIX}-*") if p.is_dir())
+        for old in complete[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint folder in ``directory``, or None if it holds none."""
+    root = Path(directory)
+    pointer = root / _LATEST
+    if pointer.is_file():
+        name = pointer.read_text().strip()
+        if name and (root / name).is_dir():
+            return root / name
+    return None
+
+
+def _resolve(path: str | os.PathLike[str]) -> Path:
+    """A checkpoint folder from a checkpoint directory (via ``latest``) or a checkpoint folder itself."""
+    given = Path(path)
+    if not given.exists():
+        raise FileNotFoundError(f"no checkpoint at {str(given)!r}: the path does not exist")
+    if (given / f"{_PREFIX}.index").is_file():
+        return given
+    found = latest_checkpoint(given)
+    if found is None:
+        raise FileNotFoundError(f"no checkpoint at {str(given)!r}: it holds no complete checkpoint ('latest' missing)")
+    return found
+
+
+def restore_checkpoint(
+    path: str | os.PathLike[str], model: keras.Model, optimizer: keras.optimizers.Optimizer
+) -> CheckpointState:
+    """Load weights and optimizer state from ``path`` into ``model``/``optimizer``; return where training stood.
+
+    Raises ``FileNotFoundError`` naming a path that does not exist, ``ValueError`` naming the first variable whose
+    shape differs (a checkpoint of another model), and ``ValueError`` for a truncated or corrupt checkpoint. The files
+    are only read, never changed.
+    """
+    folder = _resolve(path)
+    prefix = str(folder / _PREFIX)
+    try:
+        stored = dict(tf.train.list_variables(prefix))
+    except (tf.errors.OpError, ValueError, IndexError) as error:
+        raise ValueError(f"checkpoint {str(folder)!r} is corrupt or truncated: {error}") from None
+    stored = {key.split("/")[0]: tuple(shape) for key, shape in stored.items() if "/.ATTRIBUTES/" in key}
+    expected = _names(model, optimizer)
+    for key, (variable_path, shape) in expected.items():
+        if key not in stored:
+            raise ValueError(
+                f"checkpoint {str(folder)!r} is of a different model: it has no value for {variable_path!r} "
+                f"(variable {key}); it holds {sum(k.startswith('model_') for k in stored)} model variables, this model "
+                f"has {len(model.weights)}"
+            )
+        if stored[key] != shape:
+            raise ValueError(
+                f"checkpoint {str(folder)!r} is of a different model: variable {variable_path!r} has shape {shape} "
+                f"here but {stored[key]} in the checkpoint"
+            )
+    extra = sorted(k for k in stored if k.startswith("model_") and k not in expected)
+    if extra:
+        raise ValueError(
+            f"checkpoint {str(folder)!r} is of a different model: it holds {len(extra)} more model variables than "
+            f"this model has ({len(model.weights)})"
+        )
+    progress = tf.Variable(np.zeros(3, np.int64), trainable=False)
+    checkpoint = tf.train.Checkpoint(**_trackables(model, optimizer), progress=progress)
+    try:
+        checkpoint.read(prefix).assert_existing_objects_matched()
+    except (tf.errors.OpError, AssertionError, IndexError, ValueError) as error:
+        raise ValueError(f"checkpoint {str(folder)!r} is corrupt or truncated: {error}") from None
+    epoch, step, seed = (int(v) for v in progress.numpy())
+    return CheckpointState(epoch, step, seed)

@@ -1,0 +1,184 @@
+"""Checkpoints: exact resume, crash and resume, kill during save, portability across backends, bad input."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+from conftest import logits_loss
+
+from paraml import Parallel
+from paraml.checkpoint import latest_checkpoint
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def model_fn():
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(16, activation="relu")(inputs)
+    h2 = keras.layers.Dense(16, activation="relu")(h)
+    return keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Add()([h, h2])))
+
+
+def make(strategy, devices=None, **options):
+    par = Parallel(strategy, devices=devices, seed=7, **options)
+    par.build(model_fn, optimizer=keras.optimizers.Adam(0.01), loss=logits_loss(), metrics=["accuracy"])
+    return par
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(500, 8)).astype("float32")
+    return x, (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0.5).astype("int32")
+
+
+@pytest.mark.parametrize(
+    "strategy, devices, options",
+    [("single", None, {}), ("mirrored", 2, {}), ("model_parallel", 2, {"micro_batches": 2})],
+    ids=["single", "mirrored", "model_parallel"],
+)
+def test_exact_resume(tmp_path, data, strategy, devices, options):
+    x, y = data
+    first = make(strategy, devices, **options)
+    first.fit(x, y, batch_size=50, epochs=2, verbose=0)
+    first.save(tmp_path)
+    first.fit(x, y, batch_size=50, epochs=4, initial_epoch=2, verbose=0)
+    # a fresh Parallel (new model, new optimizer) restores and continues: Adam's state must come back too
+    second = make(strategy, devices, **options)
+    state = second.restore(tmp_path)
+    assert (state.epoch, state.step, state.seed) == (2, 0, 7)
+    assert int(second.model.optimizer.iterations.numpy()) == 20
+    second.fit(x, y, batch_size=50, epochs=4, initial_epoch=2, verbose=0)
+    for a, b in zip(first.model.get_weights(), second.model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_portable_across_backends(tmp_path, data):
+    x, y = data
+    mirrored = make("mirrored", 2)
+    mirrored.fit(x, y, batch_size=50, epochs=2, verbose=0)
+    mirrored.save(tmp_path)
+    expected = mirrored.predict(x)
+    for strategy, devices in (("model_parallel", 2), ("single", None), ("central_storage", 2)):
+        other = make(strategy, devices)
+        other.restore(tmp_path)
+        np.testing.assert_allclose(other.predict(x), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_fit_with_checkpoint_dir_resumes_in_process(tmp_path, data):
+    x, y = data
+    straight = make("single")
+    straight.fit(x, y, batch_size=50, epochs=4, verbose=0)
+    interrupted = make("single")
+    interrupted.fit(x, y, batch_size=50, epochs=2, verbose=0, checkpoint_dir=tmp_path, checkpoint_every=3, keep=2)
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith("ckpt-")]) == 2
+    resumed = make("single")
+    history = resumed.fit(x, y, batch_size=50, epochs=4, verbose=0, checkpoint_dir=tmp_path)
+    assert history.epoch == [2, 3]
+    for a, b in zip(straight.model.get_weights(), resumed.model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_resume_mid_epoch_from_a_step_checkpoint(tmp_path, data):
+    x, y = data
+    straight = make("single")
+    straight.fit(x, y, batch_size=50, epochs=2, verbose=0)
+    partial = make("single")
+    partial.fit(x, y, batch_size=50, epochs=1, verbose=0, checkpoint_dir=tmp_path, checkpoint_every=4)
+    # drop the end-of-epoch checkpoint: the newest left is mid-epoch 0, after 8 steps
+    newest = latest_checkpoint(tmp_path)
+    older = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-") and p != newest)[-1]
+    (tmp_path / "latest").write_text(older + "\n")
+    resumed = make("single")
+    resumed.fit(x, y, batch_size=50, epochs=2, verbose=0, checkpoint_dir=tmp_path)
+    assert int(resumed.model.optimizer.iterations.numpy()) == 20
+    for a, b in zip(straight.model.get_weights(), resumed.model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def run_script(*args, **kwargs):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "resumable_train.py"), *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        **kwargs,
+    )
+
+
+def wait_for(process, marker):
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if marker in line:
+            return lines
+    raise AssertionError(f"{marker!r} never printed:\n{''.join(lines)}")
+
+
+def test_crash_and_resume(tmp_path):
+    reference = run_script(tmp_path / "ref-ckpt", tmp_path / "ref.npz")
+    assert reference.wait(timeout=240) == 0
+    crashing = run_script(tmp_path / "ckpt", tmp_path / "out.npz", "--slow-epoch", 2)
+    wait_for(crashing, "epoch 2 begins")  # inside epoch 3: epochs 0 and 1 are checkpointed
+    crashing.send_signal(signal.SIGKILL)
+    crashing.wait(timeout=30)
+    restarted = run_script(tmp_path / "ckpt", tmp_path / "out.npz")
+    output, _ = restarted.communicate(timeout=240)
+    assert restarted.returncode == 0, output
+    assert "epoch 0 begins" not in output and "epoch 2 begins" in output  # resumed from epoch 3, not 1
+    want, got = np.load(tmp_path / "ref.npz"), np.load(tmp_path / "out.npz")
+    for key in want.files:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6)
+
+
+def test_kill_during_save_leaves_a_checkpoint_that_restores(tmp_path):
+    saver = run_script(tmp_path / "ckpt", tmp_path / "unused.npz", "--save-loop")
+    wait_for(saver, "saved 3")
+    saver.send_signal(signal.SIGKILL)  # lands in the middle of one of the next saves (they run back to back)
+    saver.wait(timeout=30)
+    par = Parallel("single")
+    from paraml.demo import digits_model
+
+    par.build(digits_model, optimizer="adam", loss=logits_loss())
+    state = par.restore(tmp_path / "ckpt")
+    assert state.seed == 3
+
+
+# -- bad input --------------------------------------------------------------------------------------------------------
+def test_restore_from_a_missing_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        make("single").restore(tmp_path / "nowhere")
+
+
+def test_restore_from_another_model(tmp_path):
+    make("single").save(tmp_path)
+    other = Parallel("single")
+    other.build(lambda: keras.Sequential([keras.Input((8,)), keras.layers.Dense(5)]), optimizer="adam", loss="mse")
+    with pytest.raises(ValueError, match=r"different model: variable '.*kernel' has shape \(8, 5\) here but \(8, 16\)"):
+        other.restore(tmp_path)
+
+
+def test_restore_from_a_corrupt_checkpoint_leaves_it_alone(tmp_path):
+    make("single").save(tmp_path)
+    data_file = next(latest_checkpoint(tmp_path).glob("ckpt.data-*"))
+    data_file.write_bytes(data_file.read_bytes()[:100])  # truncated
+    before = data_file.read_bytes()
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        make("single").restore(tmp_path)
+    assert data_file.read_bytes() == before
+
+
+def test_bad_checkpoint_arguments(tmp_path, data):
+    x, y = data
+    par = make("single")
+    with pytest.raises(ValueError, match="checkpoint_every needs checkpoint_dir"):
+        par.fit(x, y, checkpoint_every=5, verbose=0)
+    with pytest.raises(ValueError, match="keep must be a positive int"):
+        par.save(tmp_path, keep=0)
