@@ -8,11 +8,16 @@ from pathlib import Path
 from typing import Any
 
 import keras
+import tensorflow as tf
 
 from . import backends
+from .auto import AutoDecision, decide
 from .backends.base import Backend
 from .checkpoint import CheckpointState, latest_checkpoint, restore_checkpoint, save_checkpoint
+from .cluster import parse_tf_config
 from .data import GlobalBatches, global_batches
+from .devices import device_memory, resolve_devices
+from .memory import estimate_memory, parse_size
 from .partition import PartitionPlan
 from .training import Trainer, make_optimizer, resolve_loss, resolve_metrics
 
@@ -22,6 +27,9 @@ __all__ = ["Parallel"]
 COMMON_OPTIONS = ("seed", "steps_per_execution")
 
 Verbose = int | str | bool
+
+#: Options of ``Parallel("auto")``: its own, and those it passes to ``model_parallel`` if it picks it.
+AUTO_OPTIONS = ("device_memory", "batch_size", "partition", "micro_batches")
 
 #: Keras callbacks that write files which must exist once: under multi_worker only the chief runs them.
 CHIEF_ONLY_CALLBACKS = (keras.callbacks.ModelCheckpoint, keras.callbacks.CSVLogger, keras.callbacks.TensorBoard)
@@ -38,9 +46,12 @@ def _verbosity(verbose: Verbose, default: int) -> int:
 class Parallel:
     """Train one Keras model on several devices with one word: the strategy.
 
-    ``strategy`` picks the backend: ``"single"``, ``"mirrored"``, ``"central_storage"`` (and the others in
-    ``paraml.backends.available()``). ``devices=None`` means every local GPU, else the CPU (for data-parallel
-    strategies, every logical CPU); an int means the first N devices; a sequence names them (``["GPU:0", "GPU:1"]``).
+    ``strategy`` picks the backend: ``"single"``, ``"mirrored"``, ``"central_storage"``, ``"multi_worker"``,
+    ``"model_parallel"``, or ``"auto"`` (decides at :meth:`build` from the cluster, the devices and the model's
+    memory; options ``device_memory="16GiB"`` and ``batch_size``; :meth:`explain` says why).
+
+    ``devices=None`` means every local GPU, else the CPU (for data-parallel strategies, every logical CPU); an int
+    means the first N devices; a sequence names them (``["GPU:0", "GPU:1"]``).
 
     Options: ``seed`` (initial weights and shuffling; the same seed gives the same weights on every backend),
     ``steps_per_execution`` (steps run per ``tf.function`` call, for small models), and each backend's own (for
@@ -69,10 +80,10 @@ class Parallel:
         steps_per_execution: int = 1,
         **options: Any,
     ) -> None:
-        backend_class = backends.get_backend(strategy)
-        unknown = sorted(set(options) - set(backend_class.option_names))
+        option_names = AUTO_OPTIONS if strategy == "auto" else backends.get_backend(strategy).option_names
+        unknown = sorted(set(options) - set(option_names))
         if unknown:
-            valid = ", ".join(COMMON_OPTIONS + backend_class.option_names)
+            valid = ", ".join(COMMON_OPTIONS + option_names)
             raise ValueError(f"unknown option {unknown[0]!r} for strategy {strategy!r}; valid options: {valid}")
         if isinstance(steps_per_execution, bool) or not isinstance(steps_per_execution, int) or steps_per_execution < 1:
             raise ValueError(f"steps_per_execution must be a positive int, got {steps_per_execution!r}")
@@ -80,20 +91,70 @@ class Parallel:
             raise ValueError(f"seed must be an int or None, got {seed!r}")
         self.seed = seed
         self.steps_per_execution = steps_per_execution
-        self.backend: Backend = backend_class(devices, **options)
         self._trainer: Trainer | None = None
         self._epochs_done = 0
+        self._backend: Backend | None = None
+        self._decision: AutoDecision | None = None
+        self._auto: tuple[Any, dict[str, Any]] | None = None
+        if strategy != "auto":
+            self._backend = backends.get_backend(strategy)(devices, **options)
+            return
+        if "device_memory" in options and options["device_memory"] is not None:
+            options["device_memory"] = parse_size(options["device_memory"])
+        cluster = parse_tf_config()
+        if cluster is not None and cluster.num_workers > 1:  # decided now: the strategy must exist at program start
+            self._decision = decide(num_workers=cluster.num_workers, num_devices=0, estimate=None, device_memory=None)
+            self._backend = backends.get_backend("multi_worker")(devices)
+        else:
+            self._auto = (devices, options)
 
     # -- what was chosen ----------------------------------------------------------------------------------------------
     @property
+    def backend(self) -> Backend:
+        """The backend doing the work (for ``"auto"``, chosen at :meth:`build`)."""
+        if self._backend is None:
+            raise RuntimeError(
+                "Parallel('auto') chooses its strategy when it sees the model: call par.build(...) first"
+            )
+        return self._backend
+
+    @property
     def strategy(self) -> str:
-        """The resolved strategy name."""
-        return self.backend.name
+        """The resolved strategy name (``"auto"`` until ``build`` has chosen)."""
+        return self._backend.name if self._backend is not None else "auto"
 
     @property
     def devices(self) -> tuple[str, ...]:
         """Canonical names of this process's devices."""
+        if self._backend is None and self._auto is not None:
+            return resolve_devices(self._auto[0])
         return self.backend.devices
+
+    def explain(self) -> str:
+        """Why this strategy: for ``"auto"``, the rule's decision with its numbers; otherwise, that it was asked for."""
+        if self._decision is not None:
+            return self._decision.explain()
+        if self._backend is None:
+            return "Parallel('auto') has not chosen yet: it decides at build(), when it sees the model"
+        return f"strategy {self.strategy!r} was chosen by the caller"
+
+    def _choose(self, model_fn: Callable[[], keras.Model], optimizer: Any) -> None:
+        """Resolve ``"auto"``: measure the model, apply :func:`paraml.auto.decide`, create the chosen backend."""
+        assert self._auto is not None
+        device_spec, options = self._auto
+        devices = resolve_devices(device_spec)
+        memory = options.get("device_memory")
+        if memory is None:
+            memory = device_memory(devices[0])
+        estimate = None
+        if len(devices) > 1:
+            with tf.device("/device:CPU:0"):  # measure on the host: the model may not fit on one accelerator
+                estimate = estimate_memory(model_fn, batch_size=options.get("batch_size", 32), optimizer=optimizer)
+        self._decision = decide(num_workers=1, num_devices=len(devices), estimate=estimate, device_memory=memory)
+        chosen = backends.get_backend(self._decision.strategy)
+        passed = {k: v for k, v in options.items() if k in chosen.option_names}
+        self._backend = chosen(device_spec if len(devices) > 1 else devices, **passed)
+        self._auto = None
 
     @property
     def num_replicas(self) -> int:
@@ -103,7 +164,7 @@ class Parallel:
     @property
     def is_chief(self) -> bool:
         """True in the process that writes files that must exist once."""
-        return self.backend.is_chief
+        return self._backend is None or self._backend.is_chief
 
     @property
     def worker_index(self) -> int:
@@ -157,6 +218,8 @@ class Parallel:
                 "places them"
             )
         loss_fn, loss_name = resolve_loss(loss)
+        if self._backend is None:
+            self._choose(model_fn, optimizer)
         if self.seed is not None:
             keras.utils.set_random_seed(self.seed)
         model = self.backend.build_model(model_fn, optimizer)

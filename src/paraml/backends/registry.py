@@ -36,6 +36,8 @@ def available() -> tuple[str, ...]:
 
 def get_backend(name: str) -> type[Backend]:
     """The backend class registered as ``name``; a ``ValueError`` that lists the valid names otherwise."""
+    if name in _RESOLVED_ELSEWHERE:
+        raise ValueError(f"strategy {name!r} is resolved by paraml.Parallel, not a backend of its own")
     if not isinstance(name, str) or name not in _BACKENDS:
         raise ValueError(f"unknown strategy {name!r}; valid strategies: {', '.join(map(repr, available()))}")
     return _BACKENDS[name]

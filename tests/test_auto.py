@@ -1,0 +1,90 @@
+"""Parallel("auto"): the rule, and explain() with the numbers."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import pytest
+
+from paraml import Parallel
+from paraml.auto import decide
+from paraml.memory import MemoryEstimate
+
+
+def wide():
+    return keras.Sequential(
+        [keras.Input((64,)), keras.layers.Dense(256), keras.layers.Dense(256), keras.layers.Dense(4)]
+    )
+
+
+def estimate(total):
+    return MemoryEstimate(parameters=total, gradients=0, optimizer_slots=0, activations=0, batch_size=32)
+
+
+@pytest.mark.parametrize(
+    "workers, devices, need, have, expected",
+    [
+        (2, 4, 10, 1, "multi_worker"),
+        (1, 1, 10, 1, "single"),
+        (1, 2, 10, 100, "mirrored"),
+        (1, 2, 100, 10, "model_parallel"),
+        (1, 2, 100, None, "mirrored"),  # unknown memory: data parallel is the faster default
+    ],
+)
+def test_the_rule(workers, devices, need, have, expected):
+    assert decide(num_workers=workers, num_devices=devices, estimate=estimate(need), device_memory=have).strategy == (
+        expected
+    )
+
+
+def test_a_model_that_does_not_fit_picks_model_parallel():
+    par = Parallel("auto", devices=2, device_memory="64KiB", micro_batches=2)
+    assert par.strategy == "auto"  # decided at build, when the model is known
+    par.build(wide, optimizer="adam", loss="mse")
+    assert par.strategy == "model_parallel"
+    assert par.backend.micro_batches == 2
+    text = par.explain()
+    assert "does not fit" in text and "64.00 KiB" in text and "optimizer slots" in text and "MiB" in text
+
+
+def test_a_model_that_fits_picks_mirrored():
+    par = Parallel("auto", devices=2, device_memory="2GiB")
+    par.build(wide, optimizer="adam", loss="mse")
+    assert par.strategy == "mirrored" and par.num_replicas == 2
+    assert "fits on one device" in par.explain() and "2.00 GiB" in par.explain()
+
+
+def test_one_device_picks_single():
+    par = Parallel("auto", devices=1)
+    par.build(wide, optimizer="adam", loss="mse")
+    assert par.strategy == "single"
+    assert "one device" in par.explain()
+
+
+def test_auto_before_build_and_bad_options():
+    par = Parallel("auto", devices=2)
+    assert par.devices == ("/device:CPU:0", "/device:CPU:1")
+    with pytest.raises(RuntimeError, match="chooses its strategy when it sees the model"):
+        par.num_replicas  # noqa: B018
+    with pytest.raises(ValueError, match="unknown option 'parameter_device' for strategy 'auto'"):
+        Parallel("auto", parameter_device="CPU:0")
+    with pytest.raises(ValueError, match="2 lots"):
+        Parallel("auto", device_memory="2 lots")
+
+
+def test_a_two_worker_tf_config_picks_multi_worker():
+    script = Path(__file__).parent / "scripts" / "auto_strategy.py"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("TF_CONFIG", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "paraml", "launch", "-n", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("strategy=multi_worker workers=2") == 2
+    assert "TF_CONFIG describes a cluster of 2 workers" in done.stdout
