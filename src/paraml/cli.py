@@ -1,4 +1,4 @@
-"""The ``paraml`` command: a thin argparse front over the library (demo, devices, launch)."""
+"""The ``paraml`` command: a thin argparse front over the library (demo, devices, estimate, launch, bench)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,44 @@ def _devices(ns: argparse.Namespace) -> int:
     return 0
 
 
+def load_object(spec: str) -> object:
+    """``"package.module:function"`` or ``"path/to/file.py:function"`` -> that object (``estimate``, ``bench``)."""
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    module_name, sep, attribute = spec.rpartition(":")
+    if not sep or not module_name or not attribute:
+        raise ValueError(
+            f"expected MODULE:FUNCTION (e.g. mypkg.models:make_model or models.py:make_model), got {spec!r}"
+        )
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise FileNotFoundError(f"no file {module_name!r} (from {spec!r})")
+        loader = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(loader)
+        loader.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise ValueError(f"cannot import {module_name!r} (from {spec!r}): {error}") from None
+    if not hasattr(module, attribute):
+        raise ValueError(f"{module_name!r} has no {attribute!r} (from {spec!r})")
+    return getattr(module, attribute)
+
+
+def _estimate(ns: argparse.Namespace) -> int:
+    from .memory import estimate_memory
+
+    model_fn = load_object(ns.model)
+    if not callable(model_fn):
+        raise ValueError(f"{ns.model!r} is not a function that builds a model")
+    print(estimate_memory(model_fn, batch_size=ns.batch_size, optimizer=ns.optimizer))
+    return 0
+
+
 def _launch(ns: argparse.Namespace) -> int:
     from . import launch
 
@@ -51,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     devices = commands.add_parser("devices", help="list local devices and their memory")
     devices.add_argument("--simulate", type=int, default=0, help="split the machine into N logical devices first")
     devices.set_defaults(run=_devices)
+
+    estimate = commands.add_parser(
+        "estimate", help="estimate a model's training memory (like accelerate estimate-memory)"
+    )
+    estimate.add_argument("model", help="MODULE:FUNCTION or FILE.py:FUNCTION that returns a keras.Model")
+    estimate.add_argument("--batch-size", type=int, default=32)
+    estimate.add_argument("--optimizer", default="adam")
+    estimate.set_defaults(run=_estimate)
 
     from . import launch
 
