@@ -131,3 +131,17 @@ def test_demo_trains_every_backend_to_90_percent():
     table = {r[0]: float(r[2]) for r in rows}
     assert {"single", "mirrored", "central_storage"} <= set(table)
     assert min(table.values()) >= 0.9
+
+
+def test_shuffling_depends_only_on_the_seed_and_the_epoch(data_1001):
+    """Building another model with another seed (which sets TF's global seed) must not change this run's order."""
+    x, y = data_1001
+    alone = Parallel("single", seed=0)
+    alone.build(small_mlp, optimizer="sgd", loss=logits_loss())
+    initial = alone.model.get_weights()
+    expected = alone.fit(x, y, batch_size=64, epochs=2, verbose=0).history["loss"]
+    first = Parallel("single", seed=0)
+    first.build(small_mlp, optimizer="sgd", loss=logits_loss())
+    Parallel("single", seed=1).build(small_mlp, optimizer="sgd", loss=logits_loss())
+    first.model.set_weights(initial)
+    assert first.fit(x, y, batch_size=64, epochs=2, verbose=0).history["loss"] == pytest.approx(expected, rel=1e-6)

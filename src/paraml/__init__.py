@@ -21,16 +21,34 @@ __version__ = "0.1.0"
 #: public name -> module that defines it
 _EXPORTS = {
     "Parallel": "parallel",
+    "Job": "many",
+    "JobResult": "many",
+    "fit_many": "many",
+    "estimate_memory": "memory",
     "simulate_devices": "devices",
+    "ensure_devices": "devices",
     "list_devices": "devices",
     "load_digits": "datasets",
 }
 
-__all__ = ["Parallel", "__version__", "list_devices", "load_digits", "simulate_devices"]
+__all__ = [
+    "Job",
+    "JobResult",
+    "Parallel",
+    "__version__",
+    "ensure_devices",
+    "estimate_memory",
+    "fit_many",
+    "list_devices",
+    "load_digits",
+    "simulate_devices",
+]
 
 if TYPE_CHECKING:  # pragma: no cover
     from .datasets import load_digits
-    from .devices import list_devices, simulate_devices
+    from .devices import ensure_devices, list_devices, simulate_devices
+    from .many import Job, JobResult, fit_many
+    from .memory import estimate_memory
     from .parallel import Parallel
 
 

@@ -98,7 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--optimizer", default="adam")
     estimate.set_defaults(run=_estimate)
 
-    from . import launch
+    from . import bench, launch
+
+    benchmark = commands.add_parser("bench", help="compare the backends side by side on this machine")
+    bench.add_arguments(benchmark)
+    benchmark.set_defaults(run=bench.run_from_args)
 
     launcher = commands.add_parser("launch", help="run a script on N local workers (multi_worker)")
     launch.add_arguments(launcher)

@@ -23,26 +23,29 @@ __all__ = ["GlobalBatches", "global_batches"]
 class GlobalBatches:
     """A source of global batches for one call of fit/evaluate/predict.
 
-    ``dataset(epoch)`` gives the epoch's batches (shuffled with a seed that depends only on the seed and the epoch,
-    so a resumed run sees the same order); ``steps`` is the number of batches per epoch when known.
+    ``dataset(epoch)`` gives the epoch's batches; ``steps`` is the number of batches per epoch when known. For arrays,
+    an epoch's order is a NumPy permutation seeded by ``(seed, epoch)`` alone: a resumed run, another backend or
+    another worker sees the same order, whatever TensorFlow's global seed is (``Dataset.shuffle`` would mix it in).
     """
 
-    base: tf.data.Dataset
+    base: tf.data.Dataset | None
     steps: int | None
     num_samples: int | None
     shuffle: bool
     seed: int
     batch_size: int | None
+    arrays: Any = None
 
     def dataset(self, epoch: int = 0) -> tf.data.Dataset:
         """The dataset of ``(x, y, sample_weight)`` global batches for ``epoch``."""
-        ds = self.base
-        if self.batch_size is not None:  # built from arrays: shuffle samples, then batch
-            if self.shuffle:
-                ds = ds.shuffle(
-                    self.num_samples or 1, seed=epoch_seed(self.seed, epoch), reshuffle_each_iteration=False
-                )
-            ds = ds.batch(self.batch_size)
+        if self.arrays is not None:
+            n = int(self.num_samples or 0)
+            order = np.random.default_rng(epoch_seed(self.seed, epoch)).permutation(n) if self.shuffle else np.arange(n)
+            arrays = self.arrays
+            ds = tf.data.Dataset.from_tensor_slices(order).batch(self.batch_size)
+            ds = ds.map(lambda index: tf.nest.map_structure(lambda t: tf.gather(t, index), arrays))
+        else:
+            ds = self.base
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
         return ds.with_options(options).prefetch(tf.data.AUTOTUNE)
@@ -115,9 +118,9 @@ def global_batches(
             raise ValueError(f"x and y have different lengths: x has {n} samples, y has {ny}")
     if n == 0:
         raise ValueError("x is empty: there is nothing to train on")
-    weights = np.ones((n,), np.float32)
-    base = tf.data.Dataset.from_tensor_slices((x, y, weights))
-    return GlobalBatches(base, -(-n // batch_size), n, shuffle, seed, batch_size)
+    with tf.device("/device:CPU:0"):  # the host holds the data; batches are gathered from it
+        arrays = tf.nest.map_structure(tf.convert_to_tensor, (x, y, np.ones((n,), np.float32)))
+    return GlobalBatches(None, -(-n // batch_size), n, shuffle, seed, batch_size, arrays)
 
 
 def _from_dataset(ds: tf.data.Dataset, need_targets: bool) -> GlobalBatches:
