@@ -129,10 +129,31 @@ class BenchResult:
 
 
 class _Runner:
-    """A variant that can run one timed window of ``steps`` training steps."""
+    """A variant whose ``window()`` runs training steps and returns the steady-state milliseconds per step."""
 
-    def __init__(self, result: BenchResult, window: Callable[[], None]) -> None:
+    def __init__(self, result: BenchResult, window: Callable[[], float]) -> None:
         self.result, self.window = result, window
+
+
+def _step_clock() -> Any:
+    """A Keras callback timing steady-state steps of one ``fit``: from the end of its first batch to its last.
+
+    The first batch of a fit call carries the call's fixed costs (a new iterator over the data, callbacks); they are
+    reported apart (``first_step_s``), and the windows compare the per-step cost, as the hand-written loop's do.
+    """
+    import keras
+
+    class StepClock(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            if batch == 0:
+                self.start, self.batches = time.perf_counter(), 0
+            else:
+                self.end, self.batches = time.perf_counter(), batch
+
+        def ms_per_step(self) -> float:
+            return (self.end - self.start) * 1000 / self.batches
+
+    return StepClock()
 
 
 def _paraml_runner(par: Any, model_fn: Callable[[], Any], data: Any, steps: int) -> _Runner:
@@ -145,14 +166,20 @@ def _paraml_runner(par: Any, model_fn: Callable[[], Any], data: Any, steps: int)
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
     x, y = data
-    window_x, window_y = x[: steps * GLOBAL_BATCH], y[: steps * GLOBAL_BATCH]
+    window_x, window_y = x[: (steps + 1) * GLOBAL_BATCH], y[: (steps + 1) * GLOBAL_BATCH]
     start = time.perf_counter()
     par.fit(x[:GLOBAL_BATCH], y[:GLOBAL_BATCH], batch_size=GLOBAL_BATCH, verbose=0)  # traces the step
     micro_batches = getattr(par.backend, "micro_batches", None)
     result = BenchResult(par.strategy, len(par.devices), micro_batches, first_step_s=time.perf_counter() - start)
-    par.fit(window_x, window_y, batch_size=GLOBAL_BATCH, verbose=0, shuffle=False)  # warm-up window
     result.variable_bytes_per_device = variable_bytes_per_device(par.model.weights + par.model.optimizer.variables)
-    return _Runner(result, lambda: par.fit(window_x, window_y, batch_size=GLOBAL_BATCH, verbose=0, shuffle=False))
+
+    def window() -> float:
+        clock = _step_clock()
+        par.fit(window_x, window_y, batch_size=GLOBAL_BATCH, verbose=0, shuffle=False, callbacks=[clock])
+        return clock.ms_per_step()
+
+    window()  # warm-up
+    return _Runner(result, window)
 
 
 def handwritten_step(strategy: Any, model: Any, optimizer: Any, loss: Any) -> Callable[[Any], Any]:
@@ -183,7 +210,7 @@ def _baseline_runners(model_fn: Callable[[], Any], data: Any, steps: int) -> lis
     from .backends.distribute import MirroredBackend
 
     x, y = data
-    window = tf.data.Dataset.from_tensor_slices((x[: steps * GLOBAL_BATCH], y[: steps * GLOBAL_BATCH]))
+    window = tf.data.Dataset.from_tensor_slices((x[: (steps + 1) * GLOBAL_BATCH], y[: (steps + 1) * GLOBAL_BATCH]))
     window = window.batch(GLOBAL_BATCH, drop_remainder=True)
     runners = []
 
@@ -198,10 +225,13 @@ def _baseline_runners(model_fn: Callable[[], Any], data: Any, steps: int) -> lis
     step(iterator).numpy()
     first = time.perf_counter() - start
 
-    def hand_window() -> None:
+    def hand_window() -> float:
+        step(iterator).numpy()  # as the clocked fits: time from the end of a first step
+        start = time.perf_counter()
         for _ in range(steps):
             value = step(iterator)
         value.numpy()
+        return (time.perf_counter() - start) * 1000 / steps
 
     hand_window()
     runners.append(_Runner(BenchResult("handwritten-mirrored", 2, first_step_s=first), hand_window))
@@ -213,10 +243,14 @@ def _baseline_runners(model_fn: Callable[[], Any], data: Any, steps: int) -> lis
     start = time.perf_counter()
     keras_model.fit(window.take(1), verbose=0)
     first = time.perf_counter() - start
-    keras_model.fit(window, verbose=0)
-    runners.append(
-        _Runner(BenchResult("keras-fit-mirrored", 2, first_step_s=first), lambda: keras_model.fit(window, verbose=0))
-    )
+
+    def keras_window() -> float:
+        clock = _step_clock()
+        keras_model.fit(window, verbose=0, callbacks=[clock])
+        return clock.ms_per_step()
+
+    keras_window()
+    runners.append(_Runner(BenchResult("keras-fit-mirrored", 2, first_step_s=first), keras_window))
     return runners
 
 
@@ -258,11 +292,9 @@ def worker_main(argv: Sequence[str]) -> None:
 
     par = Parallel("multi_worker", seed=0)  # before anything touches TensorFlow's devices
     model_fn, shape, kind = PRESETS[preset]
-    runner = _paraml_runner(par, model_fn, _data(shape, kind, steps * GLOBAL_BATCH), steps)
+    runner = _paraml_runner(par, model_fn, _data(shape, kind, (steps + 1) * GLOBAL_BATCH), steps)
     for _ in range(windows):
-        start = time.perf_counter()
-        runner.window()
-        runner.result.windows_ms.append((time.perf_counter() - start) * 1000 / steps)
+        runner.result.windows_ms.append(runner.window())
     _finish(runner.result)
     runner.result.devices = par.num_workers * len(par.devices)
     if os.environ.get("PARAML_WORKER_INDEX") == "0":
@@ -280,7 +312,7 @@ def run_bench(
     *,
     devices: Sequence[int] = (1, 2, 4),
     micro_batches: Sequence[int] = (1, 2, 4),
-    steps: int = 10,
+    steps: int = 20,
     windows: int = 5,
     threads_per_device: int = 0,
     multi_worker: bool = True,
@@ -310,7 +342,7 @@ def run_bench(
         model_fn = load_object(model)
         probe = model_fn()
         shape, kind = tuple(probe.inputs[0].shape[1:]), "tokens" if "int" in str(probe.inputs[0].dtype) else "float"
-    data = _data(shape, kind, steps * GLOBAL_BATCH)
+    data = _data(shape, kind, (steps + 1) * GLOBAL_BATCH)
     runners = []
     configs = _configs(devices, micro_batches)
     for i, (strategy, n, options) in enumerate(configs, start=1):
@@ -322,9 +354,7 @@ def run_bench(
     for w in range(windows):
         progress(f"timed window {w + 1}/{windows} of {len(runners)} variants, interleaved")
         for runner in runners:
-            start = time.perf_counter()
-            runner.window()
-            runner.result.windows_ms.append((time.perf_counter() - start) * 1000 / steps)
+            runner.result.windows_ms.append(runner.window())
     results = [runner.result for runner in runners]
     for result in results:
         _finish(result)
@@ -405,7 +435,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="mlp", help=f"a preset ({', '.join(PRESETS)}) or MODULE:FUNCTION")
     parser.add_argument("--quick", action="store_true", help="1 and 2 devices, micro-batches 1 and 4, fewer windows")
     parser.add_argument("--devices", default="1,2,4", help="device counts, e.g. 1,2,4")
-    parser.add_argument("--steps", type=int, default=10, help="steps per timed window")
+    parser.add_argument("--steps", type=int, default=20, help="steps per timed window")
     parser.add_argument("--windows", type=int, default=5, help="timed windows per variant (the median is reported)")
     parser.add_argument("--threads-per-device", type=int, default=0, help="intra-op threads (1: one core per device)")
     parser.add_argument("--no-multi-worker", action="store_true", help="skip the 2-worker launcher run")
