@@ -180,3 +180,17 @@ def test_bad_steps_per_execution_and_seed():
         Parallel("single", steps_per_execution=0)
     with pytest.raises(ValueError, match="seed must be an int"):
         Parallel("single", seed="x")
+
+
+def test_a_plain_keras_mirrored_fit_after_paraml_still_works(data_1001):
+    """paraml's strategies keep their collective keys apart from strategies created after them."""
+    import tensorflow as tf
+
+    x, y = data_1001
+    build("mirrored", 2).fit(x, y, batch_size=64, epochs=1, verbose=0)
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"])
+    with strategy.scope():
+        model = small_mlp()
+        model.compile("sgd", logits_loss())
+    history = model.fit(x, y, batch_size=66, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])

@@ -81,7 +81,9 @@ class MirroredBackend(StrategyBackend):
 
     def make_strategy(self) -> tf.distribute.Strategy:
         _new_collective_key_range(tf.distribute.MirroredStrategy)
-        return tf.distribute.MirroredStrategy(list(self.devices))
+        strategy = tf.distribute.MirroredStrategy(list(self.devices))
+        _new_collective_key_range(tf.distribute.MirroredStrategy)  # and keep later strategies off this one's keys
+        return strategy
 
 
 _KEY_RANGE = 100_000
@@ -91,8 +93,8 @@ def _new_collective_key_range(strategy_class: type) -> None:
     """Give the next strategy of ``strategy_class`` collective keys no earlier instance used.
 
     Every MirroredStrategy numbers its collective groups from the same start, so a second one over a different set
-    of devices in the same process (a test suite, a notebook, fit_many) reuses group keys and TF aborts with "is
-    joining a group with size 4, but that group has size 2". TF's own test-combinations shift this class attribute
+    of devices in the same process (a test suite, a notebook, fit_many, a plain Keras ``fit`` after paraml's) reuses
+    group keys and TF aborts with "is joining a group with size 4, but that group has size 2". TF's own test-combinations shift this class attribute
     for the same reason; without it (a future TF), nothing changes.
     """
     if hasattr(strategy_class, "_collective_key_base"):
