@@ -205,11 +205,15 @@ class Trainer:
         epoch: int,
         on_batch: Callable[[int, dict[str, float]], bool] | None,
         start_step: int = 0,
+        iterator: Iterator[Any] | None = None,
     ) -> dict[str, float]:
-        """One pass over ``source`` from batch ``start_step``; ``on_batch(last_step, logs)`` returns True to stop."""
+        """One pass over ``source`` from batch ``start_step``; ``on_batch(last_step, logs)`` returns True to stop.
+
+        ``iterator`` continues a distributed iterator that spans epochs; without it, one is made for this epoch.
+        """
         self._reset_metrics()
-        dataset = source.dataset(epoch)
-        iterator = iter(self.backend.distribute(dataset.skip(start_step) if start_step else dataset))
+        if iterator is None:
+            iterator = iter(self.backend.distribute(source.dataset(epoch, skip=start_step)))
         logs: dict[str, float] = {}
         step = start_step
         while source.steps is None or step < source.steps:
@@ -268,11 +272,14 @@ class Trainer:
                 callback_list.on_train_batch_begin(step + 1)
             return bool(model.stop_training)
 
+        shared = None  # one iterator over every epoch, where the input allows it
+        if source.spans_epochs and source.steps is not None:
+            shared = iter(self.backend.distribute(source.dataset(initial_epoch, epochs, skip=start_step)))
         for epoch in range(initial_epoch, epochs):
             callback_list.on_epoch_begin(epoch)
             first = start_step if epoch == initial_epoch else 0
             callback_list.on_train_batch_begin(first)
-            logs = self._run_epoch("train", source, epoch, on_batch, first)
+            logs = self._run_epoch("train", source, epoch, on_batch, first, shared)
             if validation is not None:
                 val_logs = self._run_epoch("test", validation, 0, None)
                 logs.update({f"val_{name}": value for name, value in val_logs.items()})

@@ -94,8 +94,8 @@ def _new_collective_key_range(strategy_class: type) -> None:
 
     Every MirroredStrategy numbers its collective groups from the same start, so a second one over a different set
     of devices in the same process (a test suite, a notebook, fit_many, a plain Keras ``fit`` after paraml's) reuses
-    group keys and TF aborts with "is joining a group with size 4, but that group has size 2". TF's own test-combinations shift this class attribute
-    for the same reason; without it (a future TF), nothing changes.
+    group keys and TF aborts with "is joining a group with size 4, but that group has size 2". TF's own
+    test-combinations shift this class attribute for the same reason; without it (a future TF), nothing changes.
     """
     if hasattr(strategy_class, "_collective_key_base"):
         strategy_class._collective_key_base += _KEY_RANGE
