@@ -27,6 +27,7 @@ from paraml.launch import (
     PortUnavailableError,
     add_arguments,
     find_free_ports,
+    isolation_prefix,
     launch,
     main,
     run_from_args,
@@ -499,3 +500,50 @@ def test_module_does_not_import_tensorflow() -> None:
             imported.add(node.module.split(".")[0])
     assert "subprocess" in imported  # sanity: the walk found the module's imports
     assert imported.isdisjoint({"tensorflow", "keras"})
+
+
+LISTENER = """
+import os, socket, sys, time
+s = socket.socket(); s.bind(("0.0.0.0", 0)); s.listen()
+open(os.path.join(sys.argv[1], "port" + os.environ["PARAML_WORKER_INDEX"]), "w").write(str(s.getsockname()[1]))
+for _ in range(300):
+    if os.path.exists(os.path.join(sys.argv[1], "done")):
+        break
+    time.sleep(0.1)
+"""
+
+
+def _reachable_from_here(tmp_path, *flags):
+    """Start 2 workers that listen on every interface; can this (outer) namespace connect to worker 0?"""
+    script = tmp_path / "listen.py"
+    script.write_text(LISTENER)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "paraml.launch", "-n", "2", *flags, str(script), str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    port_file = tmp_path / "port0"
+    try:
+        for _ in range(300):
+            if port_file.exists() and port_file.read_text():
+                break
+            time.sleep(0.1)
+        with socket.socket() as client:
+            client.settimeout(5)
+            try:
+                client.connect(("127.0.0.1", int(port_file.read_text())))
+                return True
+            except ConnectionRefusedError:
+                return False
+    finally:
+        (tmp_path / "done").write_text("")
+        assert proc.wait(timeout=60) == 0
+
+
+@pytest.mark.skipif(isolation_prefix() is None, reason="no unshare / user namespaces on this machine")
+def test_workers_are_reachable_only_from_each_other_by_default(tmp_path):
+    assert not _reachable_from_here(tmp_path)
+
+
+def test_no_isolate_network_leaves_the_ports_on_the_machine(tmp_path):
+    assert _reachable_from_here(tmp_path, "--no-isolate-network")

@@ -105,3 +105,10 @@ def test_multi_worker_rejects_devices_and_bad_options(monkeypatch):
         Parallel("multi_worker", devices=2)
     with pytest.raises(ValueError, match="communication must be one of 'auto', 'ring', 'nccl', got 'mpi'"):
         Parallel("multi_worker", communication="mpi")
+
+
+def test_resuming_from_storage_the_workers_do_not_share_fails_clearly(tmp_path):
+    done = run_launch("-n", "2", str(SCRIPT), str(tmp_path), "--checkpoint-per-worker", timeout=120)
+    assert done.returncode != 0
+    assert "the workers disagree on where to resume" in done.stdout
+    assert "resumed although" not in done.stdout + done.stderr

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, TextIO
 
 from paraml.cluster import make_tf_config
@@ -42,7 +43,8 @@ __all__ = [
     "run_from_args",
 ]
 
-_HOST = "127.0.0.1"  # workers only ever listen on / advertise loopback
+_HOST = "127.0.0.1"  # the address workers advertise; see isolation_prefix for where they listen
+_NETNS_ENV = "PARAML_LAUNCH_NETNS"  # set inside the private network namespace
 _POLL_INTERVAL = 0.05  # seconds between supervision polls
 # Seconds to wait for output to drain after the workers are gone.
 _READER_JOIN_TIMEOUT = 5.0
@@ -207,6 +209,21 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise _Terminated()
 
 
+def _validate(script: str, args: Sequence[str], num_workers: int, port: int | None, stop_timeout: float) -> list[int]:
+    """Check the launch's input before anything starts; return the ports the workers will use."""
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"the number of workers must be an integer >= 1, got {num_workers!r}")
+    if stop_timeout < 0:
+        raise ValueError(f"stop_timeout must be >= 0 seconds, got {stop_timeout!r}")
+    if isinstance(args, str):
+        raise TypeError(f"args must be a sequence of strings, not the string {args!r}")
+    if not os.path.isfile(script):
+        raise FileNotFoundError(f"script not found: {script}")
+    if not hasattr(os, "killpg"):  # pragma: no cover
+        raise OSError("paraml launch needs a POSIX system (process groups)")
+    return _check_ports_free(port, num_workers) if port is not None else find_free_ports(num_workers, _HOST)
+
+
 def launch(
     script: str,
     args: Sequence[str] = (),
@@ -262,21 +279,7 @@ def launch(
         [worker 1] epoch 1 loss 0.31
         0
     """
-    # --- validation: nothing is started unless all of it passes ---
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"the number of workers must be an integer >= 1, got {num_workers!r}")
-    if stop_timeout < 0:
-        raise ValueError(f"stop_timeout must be >= 0 seconds, got {stop_timeout!r}")
-    if isinstance(args, str):
-        raise TypeError(f"args must be a sequence of strings, not the string {args!r}")
-    if not os.path.isfile(script):
-        raise FileNotFoundError(f"script not found: {script}")
-    if not hasattr(os, "killpg"):  # pragma: no cover
-        raise OSError("paraml launch needs a POSIX system (process groups)")
-    if port is not None:
-        ports = _check_ports_free(port, num_workers)
-    else:
-        ports = find_free_ports(num_workers, _HOST)
+    ports = _validate(script, args, num_workers, port, stop_timeout)
     addresses = [f"{_HOST}:{p}" for p in ports]
     base_env = dict(os.environ if env is None else env)
     command = [python, "-u", script, *args]
@@ -385,12 +388,87 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         help="seconds to wait after SIGTERM/SIGINT before killing workers (default: 10)",
     )
+    parser.add_argument(
+        "--isolate-network",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the workers in a private network namespace with only loopback, so TensorFlow's unauthenticated "
+        "ports are reachable from nothing but the workers (default: on where the machine allows it)",
+    )
     parser.add_argument("script", help="Python training script to run on every worker")
     parser.add_argument(
         "script_args",
         nargs=argparse.REMAINDER,
         help="arguments passed to the script (everything after it)",
     )
+
+
+def isolation_prefix() -> list[str] | None:
+    """The command prefix that runs a process in a new network namespace holding only loopback, or None.
+
+    TensorFlow's gRPC server listens on every interface of the machine whatever address ``TF_CONFIG`` gives it, and
+    it has no authentication. Inside a private network namespace the only interface is loopback, so the workers of
+    a local launch are reachable from nothing but each other. Needs util-linux ``unshare`` and either root or
+    unprivileged user namespaces (``--map-root-user``).
+    """
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return None
+    prefix = [unshare, "--net"] if os.geteuid() == 0 else [unshare, "--map-root-user", "--net"]
+    try:
+        probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return prefix if probe.returncode == 0 else None
+
+
+def bring_loopback_up() -> None:
+    """Set the ``lo`` interface up (a new network namespace starts with it down)."""
+    import fcntl
+    import struct
+
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sh", b"lo", 0)
+        flags = struct.unpack("16sh", fcntl.ioctl(sock.fileno(), siocgifflags, request))[1]
+        fcntl.ioctl(sock.fileno(), siocsifflags, struct.pack("16sh", b"lo", flags | iff_up))
+
+
+def _run_isolated(prefix: list[str], ns: argparse.Namespace) -> int:
+    """Run this launcher again inside a private network namespace, relay its output and signals, return its code."""
+    argv = ["-n", str(ns.num_workers), "--stop-timeout", str(ns.stop_timeout), "--no-isolate-network"]
+    argv += ["--port", str(ns.port)] if ns.port is not None else []
+    command = [*prefix, sys.executable, "-u", "-m", "paraml.launch", *argv, ns.script, *ns.script_args]
+    inner = subprocess.Popen(
+        command, env={**os.environ, _NETNS_ENV: "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    relays = [
+        threading.Thread(target=_relay, args=(inner.stdout, lambda: sys.stdout), daemon=True),
+        threading.Thread(target=_relay, args=(inner.stderr, lambda: sys.stderr), daemon=True),
+    ]
+    for relay in relays:
+        relay.start()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: inner.send_signal(signal.SIGTERM))
+    try:
+        while True:
+            try:
+                code = inner.wait()
+                break
+            except KeyboardInterrupt:  # Ctrl-C: the inner launcher stops its workers and exits 130
+                inner.send_signal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    for relay in relays:
+        relay.join(timeout=_READER_JOIN_TIMEOUT)
+    return code
+
+
+def _relay(pipe: IO[bytes], stream: Callable[[], TextIO]) -> None:
+    """Copy ``pipe`` line by line to ``stream()`` (looked up per line, so captured output is honoured)."""
+    for raw in iter(pipe.readline, b""):
+        target = stream()
+        target.write(raw.decode(errors="replace"))
+        target.flush()
 
 
 def run_from_args(ns: argparse.Namespace) -> int:
@@ -406,6 +484,18 @@ def run_from_args(ns: argparse.Namespace) -> int:
         0
     """
     try:
+        if os.environ.get(_NETNS_ENV) == "1":
+            bring_loopback_up()
+        elif getattr(ns, "isolate_network", False):
+            _validate(ns.script, ns.script_args, ns.num_workers, ns.port, ns.stop_timeout)  # errors come first
+            prefix = isolation_prefix()
+            if prefix is not None:
+                return _run_isolated(prefix, ns)
+            print(
+                f"{_PREFIX} no private network namespace here (needs unshare and user namespaces): the workers' "
+                "TensorFlow ports are open on every interface of this machine while they run",
+                file=sys.stderr,
+            )
         return launch(
             ns.script,
             ns.script_args,

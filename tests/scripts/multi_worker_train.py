@@ -17,6 +17,7 @@ from paraml.demo import digits_model  # noqa: E402
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("--fail-worker", type=int, default=-1)
+parser.add_argument("--checkpoint-per-worker", action="store_true", help="each worker its own checkpoint_dir")
 args = parser.parse_args()
 
 par = Parallel("multi_worker", seed=0)  # first: the strategy must exist before TF initialises its devices
@@ -32,6 +33,11 @@ par.build(
     metrics=["accuracy"],
 )
 initial = par.model.get_weights()
+if args.checkpoint_per_worker:  # storage that is not shared: the chief's dir has checkpoints, the others' do not
+    checkpoint_dir = os.path.join(args.out, f"ckpt-worker{par.worker_index}")
+    par.fit(x, y, batch_size=64, epochs=1, verbose=0, checkpoint_dir=checkpoint_dir)
+    par.fit(x, y, batch_size=64, epochs=2, verbose=0, checkpoint_dir=checkpoint_dir)
+    raise SystemExit("resumed although the workers disagree")
 history = par.fit(x, y, batch_size=64, epochs=2, verbose=0)
 result = par.evaluate(x_test, y_test, batch_size=100)
 predictions = par.predict(x_test, batch_size=100)

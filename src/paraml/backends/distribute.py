@@ -223,5 +223,12 @@ class MultiWorkerBackend(StrategyBackend):
             return 0
         return int(resolver.task_id) + (1 if has_chief else 0)
 
+    def check_same_on_every_worker(self, value: int, what: str) -> None:
+        """Raise on every worker unless all workers pass the same ``value`` (a collective: all must call it)."""
+        per_replica = self.strategy.run(lambda: tf.constant([value], tf.int64))
+        values = sorted({int(v) for v in self.strategy.gather(per_replica, axis=0).numpy()})
+        if len(values) > 1:
+            raise RuntimeError(f"the workers disagree on {what}: {values}")
+
     def describe(self) -> str:
         return f"multi_worker: worker {self.worker_index} of {self.num_workers}, " + super().describe()
