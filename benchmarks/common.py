@@ -23,6 +23,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from paraml.backends.distribute import MirroredBackend
+
 __all__ = [
     "HandLoop",
     "MODELS",
@@ -74,21 +76,11 @@ def make_model(name: str) -> keras.Model:
 
 
 def mirrored_strategy(devices: Sequence[str]) -> tf.distribute.MirroredStrategy:
-    """A plain ``tf.distribute.MirroredStrategy`` that can live in one process next to paraml's.
+    """A plain ``tf.distribute.MirroredStrategy`` over ``devices`` that can live in one process next to paraml's.
 
-    TF numbers every MirroredStrategy's collectives from the same class-level key base, so two strategies in one
-    process reuse collective instance keys and abort with "Shape mismatch in the collective instance 100". paraml
-    moves that base *before* creating its own strategy; a plain strategy made after a paraml one would reuse the
-    paraml one's keys, so this moves it before and after, as TF's own test combinations do.
+    It is the strategy paraml's ``mirrored`` backend builds (which keeps each strategy's collective keys apart).
     """
-    cls = tf.distribute.MirroredStrategy
-    has_base = hasattr(cls, "_collective_key_base")
-    if has_base:
-        cls._collective_key_base += 100_000
-    strategy = cls(list(devices))
-    if has_base:
-        cls._collective_key_base += 100_000
-    return strategy
+    return MirroredBackend(list(devices)).strategy
 
 
 class HandLoop:
