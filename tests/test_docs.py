@@ -1,7 +1,8 @@
 """Every ```python snippet in README.md and docs/*.md runs, so the docs cannot rot.
 
-Each snippet runs in a fresh interpreter (device layouts are fixed per process). A snippet that cannot run here says
-so on its first line: ``# not run: <reason>``. Docstring examples of the public API run too (doctest).
+Each snippet runs in a fresh interpreter (device layouts are fixed per process); one that starts with
+``# run with: paraml launch`` runs as a 2-worker launch. A snippet that cannot run here says so on its first line:
+``# not run: <reason>``. Docstring examples of the public API run too (doctest).
 """
 
 import doctest
@@ -31,9 +32,12 @@ def snippets():
 def test_snippet_runs(code, tmp_path):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     env.pop("TF_CONFIG", None)
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env
-    )
+    command = [sys.executable, "-c", code]
+    if code.startswith("# run with: paraml launch"):  # a multi-worker script: run it the way it says
+        script = tmp_path / "train.py"
+        script.write_text(code)
+        command = [sys.executable, "-m", "paraml", "launch", "-n", "2", str(script)]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, f"snippet failed:\n{code}\n--- output ---\n{done.stdout}\n{done.stderr[-3000:]}"
 
 
