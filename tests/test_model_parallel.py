@@ -147,3 +147,20 @@ def test_shared_layers_are_refused_with_advice():
 
     with pytest.raises(ValueError, match="'shared' has no single input"):
         Parallel("model_parallel", devices=2).build(shared, loss="mse")
+
+
+def test_reported_loss_with_regularization_matches_single_under_micro_batches(data):
+    x, y = data
+
+    def regularized():
+        dense = [keras.layers.Dense(8, kernel_regularizer=keras.regularizers.L2(0.01), name=f"r{i}") for i in range(2)]
+        return keras.Sequential([keras.Input((8,)), *dense, keras.layers.Dense(3, name="out")])
+
+    reference = build("single", regularized)
+    staged = build("model_parallel", regularized, devices=2, micro_batches=4)
+    staged.model.set_weights(reference.model.get_weights())
+    want = reference.fit(x, y, batch_size=64, epochs=2, verbose=0).history["loss"]
+    got = staged.fit(x, y, batch_size=64, epochs=2, verbose=0).history["loss"]
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    for a, b in zip(staged.model.get_weights(), reference.model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

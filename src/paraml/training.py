@@ -138,9 +138,10 @@ class Trainer:
             loss = tf.nn.compute_average_loss(
                 tf.reshape(per_sample, [-1]), global_batch_size=tf.cast(global_rows * per_row, tf.int64)
             )
-            regularization = tf.constant(0.0)
+            # Regularisation counts once per step in the gradient (on the first part) but in every sample's
+            # reported loss, as Keras reports it, also when a backend splits the batch into micro-batches.
+            regularization = tf.add_n(model.losses) if model.losses else tf.constant(0.0)
             if first and model.losses:
-                regularization = tf.add_n(model.losses)
                 loss += tf.nn.scale_regularization_loss(regularization)
             self.loss_tracker.update_state(per_sample + regularization)
             for metric in self.metrics:
