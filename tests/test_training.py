@@ -145,3 +145,78 @@ def test_shuffling_depends_only_on_the_seed_and_the_epoch(data_1001):
     Parallel("single", seed=1).build(small_mlp, optimizer="sgd", loss=logits_loss())
     first.model.set_weights(initial)
     assert first.fit(x, y, batch_size=64, epochs=2, verbose=0).history["loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_batchnorm_with_a_replica_left_empty_by_the_last_batch():
+    """33 samples in batches of 32 on 2 replicas: the last batch gives one replica 1 row and the other none."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(33, 8)).astype("float32"), rng.integers(0, 3, 33)
+
+    def with_bn():
+        return keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(8), keras.layers.BatchNormalization(), keras.layers.Dense(3)]
+        )
+
+    par = Parallel("mirrored", devices=2, seed=0)
+    par.build(with_bn, optimizer="sgd", loss=logits_loss())
+    par.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    for v in par.model.weights:
+        for copy in v.value.values:
+            assert np.all(np.isfinite(copy.numpy())), v.path
+    assert np.isfinite(par.evaluate(x, y, batch_size=32)["loss"])
+
+
+@pytest.mark.parametrize("weight_shape", [(64,), (64, 1)])
+def test_sample_weights_from_a_dataset_match_keras(weight_shape):
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(64, 4)).astype("float32"), rng.normal(size=(64,)).astype("float32")
+    w = rng.uniform(0.1, 2.0, size=weight_shape).astype("float32")
+
+    def linear():
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(1), keras.layers.Flatten()])
+
+    par = Parallel("mirrored", devices=2, seed=0)
+    model = par.build(linear, optimizer="sgd", loss="mse")
+    got = par.evaluate(tf.data.Dataset.from_tensor_slices((x, y, w)).batch(16))["loss"]
+    reference = linear()
+    reference.set_weights(model.get_weights())
+    reference.compile(loss="mse")
+    want = reference.evaluate(x, y, sample_weight=w, batch_size=16, verbose=0)
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_a_loss_that_returns_a_scalar(data_1001):
+    x, _ = data_1001
+    target = x[:, :3]
+
+    def mean_squared(y_true, y_pred):
+        return tf.reduce_mean(tf.square(y_true - y_pred))
+
+    losses = []
+    for strategy, devices in (("single", 1), ("mirrored", 4)):
+        par = Parallel(strategy, devices=devices, seed=0)
+        par.build(small_mlp, optimizer="sgd", loss=mean_squared)
+        losses.append(par.fit(x, target, batch_size=64, epochs=2, shuffle=False, verbose=0).history["loss"])
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-4)
+
+
+def test_mixed_precision_steps_with_loss_scaling():
+    """Under mixed_float16, gradients far below float16's range survive (Keras' loss scaling), as in model.fit."""
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+
+        def zero_linear():
+            return keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, kernel_initializer="zeros")])
+
+        par = Parallel("single", seed=0)
+        model = par.build(zero_linear, keras.optimizers.SGD(1.0), "mse")
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+        x, y = np.ones((32, 4), "float32"), np.full((32, 1), 2e-7, "float32")
+        par.fit(x, y, batch_size=32, verbose=0)
+        reference = zero_linear()
+        reference.compile(keras.optimizers.SGD(1.0), "mse")
+        reference.fit(x, y, batch_size=32, verbose=0)
+        assert np.all(model.get_weights()[0] != 0)
+        np.testing.assert_allclose(model.get_weights()[0], reference.get_weights()[0], rtol=1e-2)
+    finally:
+        keras.config.set_dtype_policy("float32")

@@ -231,8 +231,8 @@ class Parallel:
                 "so its variables are created where the backend places them"
             )
         with self.backend.scope():
-            opt = make_optimizer(optimizer)
-            model.compile(optimizer=opt, loss=loss)
+            model.compile(optimizer=make_optimizer(optimizer), loss=loss)
+            opt = model.optimizer  # under a mixed-precision policy, compile wraps it in a LossScaleOptimizer
             opt.build(model.trainable_variables)
         with self.backend.metrics_scope():
             compiled_metrics = resolve_metrics(metrics, loss_name, model)

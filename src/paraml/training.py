@@ -97,6 +97,19 @@ def resolve_metrics(metrics: Sequence[Any] | None, loss_name: str, model: keras.
     return resolved
 
 
+def _as_float32(value: Any) -> Any:
+    return tf.cast(value, tf.float32) if value.dtype.is_floating else value
+
+
+def _weights_like(w: tf.Tensor, per_sample: tf.Tensor) -> tf.Tensor:
+    """Sample weights brought to the rank of the per-sample loss, as Keras does: (n, 1) -> (n,), (n,) -> (n, 1)."""
+    while w.shape.rank > per_sample.shape.rank and w.shape[-1] == 1:
+        w = tf.squeeze(w, -1)
+    while w.shape.rank < per_sample.shape.rank:
+        w = tf.expand_dims(w, -1)
+    return tf.cast(w, tf.float32)
+
+
 def _to_numpy(value: Any) -> Any:
     return tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else np.asarray(t), value)
 
@@ -130,9 +143,11 @@ class Trainer:
         model = self.model
 
         def objective(y_pred: Any, y: Any, w: tf.Tensor, first: bool) -> tf.Tensor:
+            y_pred = tf.nest.map_structure(_as_float32, y_pred)  # mixed precision: the loss in float32
             per_sample = tf.cast(self.loss_fn(y, y_pred), tf.float32)
-            extra_dims = tf.ones([tf.rank(per_sample) - 1], tf.int32)  # e.g. time steps of a sequence loss
-            per_sample = per_sample * tf.reshape(w, tf.concat([tf.shape(w), extra_dims], 0))
+            if per_sample.shape.rank == 0:  # a loss that already averaged its batch: weigh it by the rows
+                per_sample = tf.fill(tf.shape(w)[:1], per_sample)
+            per_sample = per_sample * _weights_like(w, per_sample)
             # Keras' "sum over batch size" divides by every element of the loss: global rows x other dims.
             per_row = tf.cast(tf.reduce_prod(tf.shape(per_sample)[1:]), tf.float32)
             loss = tf.nn.compute_average_loss(
@@ -146,14 +161,22 @@ class Trainer:
             self.loss_tracker.update_state(per_sample + regularization)
             for metric in self.metrics:
                 metric.update_state(y, y_pred, sample_weight=w)
-            return loss
+            return self.optimizer.scale_loss(loss)  # a LossScaleOptimizer scales; others return it as is
 
         return objective
 
     def _train_replica(self, x: Any, y: Any, w: tf.Tensor) -> None:
-        global_rows = self.backend.all_reduce_sum(tf.cast(tf.shape(w)[0], tf.float32))
+        rows = tf.shape(w)[0]
+        global_rows = self.backend.all_reduce_sum(tf.cast(rows, tf.float32))
         variables = self.model.trainable_variables
-        grads, _ = self.backend.gradients(self.model, x, y, w, self._objective(global_rows))
+
+        def compute() -> list[tf.Tensor]:
+            grads, _ = self.backend.gradients(self.model, x, y, w, self._objective(global_rows))
+            return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, variables)]
+
+        # A short last batch can leave a replica with no rows: running the model on nothing would feed NaN into
+        # layers such as BatchNormalization. That replica contributes zero gradients to the all-reduce instead.
+        grads = tf.cond(rows > 0, compute, lambda: [tf.zeros_like(v) for v in variables])
         self.optimizer.apply_gradients(zip(grads, variables))
 
     def _test_replica(self, x: Any, y: Any, w: tf.Tensor) -> None:
