@@ -220,3 +220,88 @@ def test_mixed_precision_steps_with_loss_scaling():
         np.testing.assert_allclose(model.get_weights()[0], reference.get_weights()[0], rtol=1e-2)
     finally:
         keras.config.set_dtype_policy("float32")
+
+
+def test_a_list_of_input_arrays_feeds_a_two_input_model(data_1001):
+    x, y = data_1001
+
+    def two_inputs():
+        a, b = keras.Input((4,)), keras.Input((4,))
+        return keras.Model([a, b], keras.layers.Dense(3)(keras.layers.Concatenate()([a, b])))
+
+    par = Parallel("mirrored", devices=2, seed=0)
+    par.build(two_inputs, optimizer="sgd", loss=logits_loss(), metrics="accuracy")  # a metric name alone works too
+    history = par.fit([x[:, :4], x[:, 4:]], y, batch_size=64, verbose=0)
+    assert set(history.history) == {"loss", "accuracy"}
+
+
+def test_multi_output_models_are_refused_at_build():
+    def two_heads():
+        inputs = keras.Input((4,))
+        return keras.Model(inputs, [keras.layers.Dense(1)(inputs), keras.layers.Dense(2)(inputs)])
+
+    with pytest.raises(ValueError, match="2 outputs; paraml trains single-output models"):
+        Parallel("single").build(two_heads, loss="mse")
+
+
+def test_infinite_and_empty_inputs_are_clear_errors(data_1001):
+    x, y = data_1001
+    par = make()
+    with pytest.raises(ValueError, match="infinite"):
+        par.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat(), verbose=0)
+    with pytest.raises(ValueError, match="input is empty"):
+        par.evaluate(tf.data.Dataset.from_tensor_slices((x, y)).batch(32).take(0))
+
+
+def test_bad_fit_arguments_fail_before_anything_changes(tmp_path, data_1001):
+    x, y = data_1001
+    par = make()
+    par.save(tmp_path)
+    before = [w.copy() for w in par.model.get_weights()]
+    for kwargs, message in [({"keep": 0}, "keep must be a positive int"), ({"verbose": 7}, "verbose must be")]:
+        with pytest.raises(ValueError, match=message):
+            par.fit(x, y, checkpoint_dir=tmp_path, **kwargs)
+    for a, b in zip(before, par.model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+class Recorder(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.events = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.events.append(f"B{batch}")
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.events.append(f"E{batch}")
+
+    def on_test_begin(self, logs=None):
+        self.events.append("test_begin")
+
+    def on_test_end(self, logs=None):
+        self.events.append("test_end")
+
+
+def test_callback_hooks_pair_up_as_in_keras(data_1001):
+    x, y = data_1001
+    recorder = Recorder()
+    make().fit(
+        x[:96], y[:96], batch_size=32, epochs=1, validation_data=(x[:32], y[:32]), callbacks=[recorder], verbose=0
+    )
+    assert recorder.events == ["B0", "E0", "B1", "E1", "B2", "E2", "test_begin", "test_end"]
+
+
+def test_stopping_mid_epoch_checkpoints_where_it_stopped(tmp_path, data_1001):
+    from paraml.checkpoint import latest_checkpoint, restore_checkpoint
+
+    class StopAfterTwo(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                self.model.stop_training = True
+
+    x, y = data_1001
+    par = make()
+    par.fit(x[:256], y[:256], batch_size=64, epochs=3, callbacks=[StopAfterTwo()], verbose=0, checkpoint_dir=tmp_path)
+    state = restore_checkpoint(latest_checkpoint(tmp_path), par.model, par.model.optimizer)
+    assert (state.epoch, state.step) == (0, 2)

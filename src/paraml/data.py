@@ -1,9 +1,9 @@
 """Input: numpy arrays, dicts of arrays or a ``tf.data.Dataset`` -> a dataset of global batches.
 
-Every element the training loop sees is ``(x, y, sample_weight)`` for one *global* batch. The sample weight
-marks real samples: backends may split a final, short batch unevenly across replicas (some replicas get fewer or no
-samples), and the loop divides by the all-reduced sum of weights, so that batch is neither dropped nor counted
-twice.
+Every element the training loop sees is ``(x, y, sample_weight)`` for one *global* batch. Backends may
+split a final, short batch unevenly across replicas (some get fewer samples or none); the loop divides by the
+all-reduced number of samples of the global batch (Keras' rule: weights scale samples, they do not change the
+divisor), so that batch is neither dropped nor counted twice.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def _as_arrays(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {k: _as_arrays(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)) and value and not np.isscalar(value[0]) and np.ndim(value[0]) > 0:
-        return type(value)(convert(v) for v in value)
+        return tuple(convert(v) for v in value)  # a tuple: tf.data would stack a list into one tensor
     return convert(value)
 
 
@@ -156,5 +156,9 @@ def _from_dataset(ds: tf.data.Dataset, need_targets: bool) -> GlobalBatches:
 
     mapped = ds.map(add_weights if arity > 1 else (lambda x: add_weights(x)))
     cardinality = int(ds.cardinality())
+    if cardinality == tf.data.INFINITE_CARDINALITY:
+        raise ValueError(
+            "the dataset is infinite (it repeats): an epoch would never end; pass a finite one, e.g. ds.take(steps)"
+        )
     steps = cardinality if cardinality >= 0 else None
     return GlobalBatches(mapped, steps, None, False, 0, None)

@@ -217,6 +217,8 @@ class Parallel:
                 "function that builds the model (not the model), so its variables are created where the backend "
                 "places them"
             )
+        if isinstance(metrics, str):
+            metrics = [metrics]
         loss_fn, loss_name = resolve_loss(loss)
         if self._backend is None:
             self._choose(model_fn, optimizer)
@@ -229,6 +231,11 @@ class Parallel:
             raise ValueError(
                 "model_fn returned a model without weights: give it an input shape (start it with keras.Input(...)) "
                 "so its variables are created where the backend places them"
+            )
+        if len(model.outputs or ()) > 1:
+            raise ValueError(
+                f"model_fn returned a model with {len(model.outputs)} outputs; paraml trains single-output models: "
+                "concatenate the outputs in the model (and split the targets alike), or train each head separately"
             )
         with self.backend.scope():
             model.compile(optimizer=make_optimizer(optimizer), loss=loss)
@@ -287,6 +294,9 @@ class Parallel:
         for name, value, low in (("epochs", epochs, 1), ("initial_epoch", initial_epoch, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        verbosity = _verbosity(verbose, 1)
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"keep must be a positive int or None, got {keep!r}")
         for callback in callbacks or ():
             if not isinstance(callback, keras.callbacks.Callback):
                 raise TypeError(f"callbacks must be keras.callbacks.Callback instances, got {callback!r}")
@@ -326,7 +336,7 @@ class Parallel:
             initial_epoch=initial_epoch,
             validation=validation,
             callbacks=callbacks,
-            verbose=_verbosity(verbose, 1),
+            verbose=verbosity,
             start_step=start_step,
             on_progress=on_progress,
         )
@@ -336,15 +346,15 @@ class Parallel:
 
     def _checkpointer(
         self, directory: str | os.PathLike[str], every: int | None, keep: int | None
-    ) -> Callable[[int, int, bool], None]:
-        """The hook that saves at each epoch's end and every ``every`` steps."""
+    ) -> Callable[[int, int, str], None]:
+        """The hook that saves at each epoch's end, when training stops mid-epoch, and every ``every`` steps."""
         last = {"step": 0}
 
-        def on_progress(epoch: int, steps_done: int, epoch_ended: bool) -> None:
-            if epoch_ended:
+        def on_progress(epoch: int, steps_done: int, event: str) -> None:
+            if event == "epoch_end":
                 self.save(directory, keep=keep, progress=(epoch + 1, 0))
                 last["step"] = 0
-            elif every is not None and steps_done - last["step"] >= every:
+            elif event == "stopped" or (every is not None and steps_done - last["step"] >= every):
                 self.save(directory, keep=keep, progress=(epoch, steps_done))
                 last["step"] = steps_done
 
@@ -383,6 +393,6 @@ class Parallel:
         return trainer.evaluate(self._batches(x, y, batch_size), verbose=_verbosity(verbose, 0))
 
     def predict(self, x: Any, *, batch_size: int = 32, verbose: Verbose = 0) -> Any:
-        """The model's output for every sample of ``x``, in input order, as numpy (a structure for many outputs)."""
+        """The model's output for every sample of ``x``, in input order, as a numpy array."""
         trainer = self._require_trainer("predict")
         return trainer.predict(self._batches(x, None, batch_size, targets=False), verbose=_verbosity(verbose, 0))

@@ -114,6 +114,22 @@ def _to_numpy(value: Any) -> Any:
     return tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else np.asarray(t), value)
 
 
+class _ProgressCallback(keras.callbacks.Callback):
+    """Reports each finished execution to ``on_progress(epoch, steps_done, "step")`` (checkpoints every N steps)."""
+
+    def __init__(self, on_progress: Callable[[int, int, str], None]) -> None:
+        super().__init__()
+        self.on_progress, self.epoch = on_progress, 0
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.on_progress(self.epoch, batch + 1, "step")
+
+
+def _with(callbacks: keras.callbacks.CallbackList, extra: keras.callbacks.Callback) -> keras.callbacks.CallbackList:
+    """``callbacks`` plus ``extra`` (run last), sharing the same model."""
+    return keras.callbacks.CallbackList([*callbacks.callbacks, extra], model=callbacks.model)
+
+
 # -- the loop ---------------------------------------------------------------------------------------------------------
 class Trainer:
     """Runs fit/evaluate/predict of one compiled model on one backend. Built by :meth:`paraml.Parallel.build`."""
@@ -227,13 +243,15 @@ class Trainer:
         kind: str,
         source: GlobalBatches,
         epoch: int,
-        on_batch: Callable[[int, dict[str, float]], bool] | None,
+        callbacks: keras.callbacks.CallbackList | None = None,
         start_step: int = 0,
         iterator: Iterator[Any] | None = None,
-    ) -> dict[str, float]:
-        """One pass over ``source`` from batch ``start_step``; ``on_batch(last_step, logs)`` returns True to stop.
+    ) -> tuple[dict[str, float], int]:
+        """One pass over ``source`` from batch ``start_step``; return the logs and the number of the next batch.
 
-        ``iterator`` continues a distributed iterator that spans epochs; without it, one is made for this epoch.
+        ``callbacks`` get the batch hooks of ``kind`` ("train" or "test"), and training stops early when a callback
+        sets ``model.stop_training``. ``iterator`` continues a distributed iterator that spans epochs; without it,
+        one is made for this epoch.
         """
         self._reset_metrics()
         if iterator is None:
@@ -242,16 +260,22 @@ class Trainer:
         step = start_step
         while source.steps is None or step < source.steps:
             k = 1 if source.steps is None else min(self.steps_per_execution, source.steps - step)
+            if callbacks is not None:
+                getattr(callbacks, f"on_{kind}_batch_begin")(step)
             try:
                 logs = {name: float(v) for name, v in self._function(kind, k)(iterator).items()}
             except tf.errors.OutOfRangeError:
                 break  # a dataset of unknown length has ended
             step += k
-            if on_batch is not None and on_batch(step - 1, logs):
-                break
-        if not logs:  # nothing ran (an empty dataset): report the metrics' empty state
+            if callbacks is not None:
+                getattr(callbacks, f"on_{kind}_batch_end")(step - 1, logs)
+                if kind == "train" and self.model.stop_training:
+                    break
+        if not logs:
+            if start_step == 0:
+                raise ValueError("the input is empty: there is no batch to run")
             logs = {name: float(v) for name, v in self._logs().items()}
-        return logs
+        return logs, step
 
     # -- public operations --------------------------------------------------------------------------------------------
     def fit(
@@ -264,12 +288,13 @@ class Trainer:
         callbacks: Sequence[keras.callbacks.Callback] | None,
         verbose: int,
         start_step: int = 0,
-        on_progress: Callable[[int, int, bool], None] | None = None,
+        on_progress: Callable[[int, int, str], None] | None = None,
     ) -> keras.callbacks.History:
         """Train for ``epochs - initial_epoch`` epochs and return the History (as ``model.fit`` does).
 
-        ``start_step`` skips that many batches of the first epoch (a resumed run). ``on_progress(epoch, steps_done,
-        epoch_ended)`` is called after each execution and at each epoch's end (checkpointing hooks in there).
+        ``start_step`` skips that many batches of the first epoch (a resumed run). ``on_progress(epoch,
+        steps_done, event)`` hooks checkpointing in: ``event`` is "step" after each execution, "epoch_end" when an
+        epoch completed, "stopped" when a callback stopped training in the middle of one.
         """
         model = self.model
         callback_list = keras.callbacks.CallbackList(
@@ -285,31 +310,26 @@ class Trainer:
         model.stop_training = False
         callback_list.on_train_begin()
         logs: dict[str, float] = {}
-
-        epoch = initial_epoch
-
-        def on_batch(step: int, batch_logs: dict[str, float]) -> bool:
-            callback_list.on_train_batch_end(step, batch_logs)
-            if on_progress is not None:
-                on_progress(epoch, step + 1, False)
-            if not model.stop_training:
-                callback_list.on_train_batch_begin(step + 1)
-            return bool(model.stop_training)
-
         shared = None  # one iterator over every epoch, where the input allows it
         if source.spans_epochs and source.steps is not None:
             shared = iter(self.backend.distribute(source.dataset(initial_epoch, epochs, skip=start_step)))
+        progress = _ProgressCallback(on_progress) if on_progress is not None else None
+        train_callbacks = callback_list if progress is None else _with(callback_list, progress)
         for epoch in range(initial_epoch, epochs):
             callback_list.on_epoch_begin(epoch)
+            if progress is not None:
+                progress.epoch = epoch
             first = start_step if epoch == initial_epoch else 0
-            callback_list.on_train_batch_begin(first)
-            logs = self._run_epoch("train", source, epoch, on_batch, first, shared)
-            if validation is not None:
-                val_logs = self._run_epoch("test", validation, 0, None)
+            logs, steps_done = self._run_epoch("train", source, epoch, train_callbacks, first, shared)
+            completed = source.steps is None or steps_done >= source.steps
+            if validation is not None and completed:
+                callback_list.on_test_begin()
+                val_logs, _ = self._run_epoch("test", validation, 0, callback_list)
+                callback_list.on_test_end(val_logs)
                 logs.update({f"val_{name}": value for name, value in val_logs.items()})
             callback_list.on_epoch_end(epoch, logs)
             if on_progress is not None:
-                on_progress(epoch, 0, True)
+                on_progress(epoch, steps_done, "epoch_end" if completed else "stopped")
             if model.stop_training:
                 break
         callback_list.on_train_end(logs)
@@ -317,14 +337,13 @@ class Trainer:
 
     def evaluate(self, source: GlobalBatches, *, verbose: int = 0) -> dict[str, float]:
         """Loss and metrics over every sample of ``source``."""
-        progbar = keras.utils.Progbar(source.steps) if verbose else None
-
-        def on_batch(step: int, logs: dict[str, float]) -> bool:
-            if progbar is not None:
-                progbar.update(step + 1, list(logs.items()))
-            return False
-
-        return self._run_epoch("test", source, 0, on_batch)
+        callbacks = keras.callbacks.CallbackList(
+            add_progbar=bool(verbose), model=self.model, verbose=verbose, steps=source.steps
+        )
+        callbacks.on_test_begin()
+        logs, _ = self._run_epoch("test", source, 0, callbacks)
+        callbacks.on_test_end(logs)
+        return logs
 
     def predict(self, source: GlobalBatches, *, verbose: int = 0) -> Any:
         """The model's outputs for every sample of ``source``, in input order, as numpy."""
