@@ -547,3 +547,37 @@ def test_workers_are_reachable_only_from_each_other_by_default(tmp_path):
 
 def test_no_isolate_network_leaves_the_ports_on_the_machine(tmp_path):
     assert _reachable_from_here(tmp_path, "--no-isolate-network")
+
+
+GRACEFUL = """
+import signal, sys, time
+def stop(signum, frame):
+    print("cleaning up", flush=True)
+    time.sleep(0.3)
+    print("clean exit", flush=True)
+    sys.exit(130)
+signal.signal(signal.SIGINT, stop)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_ctrl_c_to_the_terminal_group_stops_workers_gracefully(tmp_path):
+    """A terminal sends SIGINT to the whole foreground group; with network isolation each worker still gets it once."""
+    script = tmp_path / "graceful.py"
+    script.write_text(GRACEFUL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "paraml.launch", "-n", "2", str(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    ready = 0
+    for line in proc.stdout:
+        ready += "ready" in line
+        if ready == 2:
+            break
+    os.killpg(proc.pid, signal.SIGINT)
+    output = proc.stdout.read()
+    assert proc.wait(timeout=60) == 130
+    assert output.count("clean exit") == 2

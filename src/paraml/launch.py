@@ -435,32 +435,46 @@ def bring_loopback_up() -> None:
 
 
 def _run_isolated(prefix: list[str], ns: argparse.Namespace) -> int:
-    """Run this launcher again inside a private network namespace, relay its output and signals, return its code."""
+    """Run this launcher again inside a private network namespace, relay its output and signals, return its code.
+
+    The inner launcher gets its own session, so a terminal's Ctrl-C reaches it once, through this process, and it
+    stops its workers with their grace period as it would without isolation.
+    """
     argv = ["-n", str(ns.num_workers), "--stop-timeout", str(ns.stop_timeout), "--no-isolate-network"]
     argv += ["--port", str(ns.port)] if ns.port is not None else []
     command = [*prefix, sys.executable, "-u", "-m", "paraml.launch", *argv, ns.script, *ns.script_args]
-    inner = subprocess.Popen(
-        command, env={**os.environ, _NETNS_ENV: "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    relays = [
-        threading.Thread(target=_relay, args=(inner.stdout, lambda: sys.stdout), daemon=True),
-        threading.Thread(target=_relay, args=(inner.stderr, lambda: sys.stderr), daemon=True),
-    ]
-    for relay in relays:
-        relay.start()
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: inner.send_signal(signal.SIGTERM))
+    main_thread = threading.current_thread() is threading.main_thread()
+    inner: subprocess.Popen[bytes] | None = None
+
+    def forward(signum: int, frame: object) -> None:
+        if inner is not None and inner.poll() is None:
+            inner.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
     try:
-        while True:
-            try:
-                code = inner.wait()
-                break
-            except KeyboardInterrupt:  # Ctrl-C: the inner launcher stops its workers and exits 130
-                inner.send_signal(signal.SIGINT)
+        inner = subprocess.Popen(
+            command,
+            env={**os.environ, _NETNS_ENV: "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        relays = [
+            threading.Thread(target=_relay, args=(inner.stdout, lambda: sys.stdout), daemon=True),
+            threading.Thread(target=_relay, args=(inner.stderr, lambda: sys.stderr), daemon=True),
+        ]
+        for relay in relays:
+            relay.start()
+        code = inner.wait()
+        for relay in relays:
+            relay.join(timeout=_READER_JOIN_TIMEOUT)
+        return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell reports it
     finally:
-        signal.signal(signal.SIGTERM, previous)
-    for relay in relays:
-        relay.join(timeout=_READER_JOIN_TIMEOUT)
-    return code
+        if inner is not None and inner.poll() is None:  # this process is failing: take the launch down with it
+            os.killpg(inner.pid, signal.SIGKILL)
+            inner.wait()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _relay(pipe: IO[bytes], stream: Callable[[], TextIO]) -> None:
