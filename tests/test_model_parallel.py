@@ -164,3 +164,13 @@ def test_reported_loss_with_regularization_matches_single_under_micro_batches(da
     np.testing.assert_allclose(got, want, rtol=1e-4)
     for a, b in zip(staged.model.get_weights(), reference.model.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_layers_with_several_tensor_arguments_are_refused_with_advice():
+    def attention():
+        inputs = keras.Input((4, 8))
+        attended = keras.layers.MultiHeadAttention(2, 4, name="mha")(inputs, inputs)
+        return keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Flatten()(attended)))
+
+    with pytest.raises(ValueError, match="'mha'.*several tensor arguments.*custom layer"):
+        Parallel("model_parallel", devices=2).build(attention, loss="mse")

@@ -194,3 +194,11 @@ def test_a_plain_keras_mirrored_fit_after_paraml_still_works(data_1001):
         model.compile("sgd", logits_loss())
     history = model.fit(x, y, batch_size=66, epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"][0])
+
+
+def test_central_storage_refuses_batchnorm_by_name():
+    def with_bn():
+        return keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.BatchNormalization(name="bn")])
+
+    with pytest.raises(ValueError, match=r"cannot train '.*bn'.*mirrored"):
+        Parallel("central_storage", devices=2).build(with_bn, loss="mse")

@@ -125,6 +125,21 @@ class CentralStorageBackend(StrategyBackend):
             list(self.devices), parameter_device=self.parameter_device
         )
 
+    def build_model(self, model_fn: Callable[[], Any], optimizer: Any = None) -> Any:
+        model = super().build_model(model_fn, optimizer)
+        # Layers that update non-trainable variables while training (BatchNormalization's moving statistics) fail
+        # under this strategy at the first step with "You must specify an aggregation method to update a
+        # AggregatingVariable in Replica Context" (Keras' own fit too). Say so now, by name.
+        for variable in getattr(model, "non_trainable_weights", ()):
+            if "moving_mean" in variable.path or "moving_variance" in variable.path:
+                layer = variable.path.rsplit("/", 1)[0]
+                raise ValueError(
+                    f"strategy 'central_storage' cannot train {layer!r}: TensorFlow's CentralStorageStrategy cannot "
+                    "update a BatchNormalization layer's moving statistics from the replicas. Use 'mirrored', or a "
+                    "normalisation without moving statistics (LayerNormalization, GroupNormalization)"
+                )
+        return model
+
     def metrics_scope(self) -> AbstractContextManager[Any]:
         # Metric variables made under this strategy's scope sum wrongly from the second update on (each replica
         # adds its *new value*, not its increment; measured with keras.metrics.Mean). Plain variables on the

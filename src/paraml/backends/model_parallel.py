@@ -192,9 +192,15 @@ def _compute_layers(model: keras.Model) -> list[keras.layers.Layer]:
     """The model's layers that compute, in topological order (input layers carry no computation)."""
     layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
     # A functional model's config lists each layer's calls ("inbound_nodes"); a layer called twice has no single input.
-    calls = {c.get("name"): len(c.get("inbound_nodes", ())) for c in model.get_config().get("layers", ())}
+    config = {c.get("name"): c.get("inbound_nodes", ()) for c in model.get_config().get("layers", ())}
     for layer in layers:
-        problem = "it is called more than once" if calls.get(layer.name, 1) > 1 else None
+        nodes = config.get(layer.name, ())
+        problem = "it is called more than once" if len(nodes) > 1 else None
+        for node in nodes if isinstance(nodes, list) else ():
+            if isinstance(node, dict) and (
+                len(node.get("args", ())) > 1 or "__keras_tensor__" in str(node.get("kwargs"))
+            ):
+                problem = "it takes several tensor arguments, e.g. attention(query, value)"
         try:
             layer.input  # noqa: B018 - raises for a layer that was never called
         except (AttributeError, ValueError) as error:
@@ -202,7 +208,8 @@ def _compute_layers(model: keras.Model) -> list[keras.layers.Layer]:
         if problem:
             raise ValueError(
                 f"model_parallel runs a functional or Sequential model layer by layer; layer {layer.name!r} has no "
-                f"single input ({problem}). Use each layer once, or wrap a shared block in a custom layer."
+                f"single input ({problem}). Use each layer once with one input (a tensor or a list of tensors), "
+                "or wrap the block in a custom layer."
             )
     return layers
 
