@@ -182,3 +182,11 @@ def test_bad_checkpoint_arguments(tmp_path, data):
         par.fit(x, y, checkpoint_every=5, verbose=0)
     with pytest.raises(ValueError, match="keep must be a positive int"):
         par.save(tmp_path, keep=0)
+
+
+def test_restore_with_another_optimizer_names_both(tmp_path):
+    make("single").save(tmp_path)  # Adam
+    other = Parallel("single", seed=7)
+    other.build(model_fn, optimizer="sgd", loss=logits_loss())
+    with pytest.raises(ValueError, match="written with the optimizer Adam, this model uses SGD"):
+        other.restore(tmp_path)

@@ -215,3 +215,20 @@ def test_a_failure_of_fit_many_itself_is_raised_not_swallowed(data):
     closed.close()
     with pytest.raises(ValueError, match="closed file"):
         fit_many([classifier_job("a", data, epochs=1)], devices=1, out=closed)
+
+
+def test_jobs_inherit_the_callers_dtype_policy():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        job = Job(
+            "policy",
+            lambda: keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]),
+            compile={"optimizer": "sgd", "loss": "mse"},
+            data=(np.ones((8, 4), "float32"), np.ones((8, 1), "float32")),
+            fit={"batch_size": 4, "epochs": 1},
+        )
+        result = fit_many([job], devices=1, verbose=0)["policy"]
+        assert result.ok, result.error
+        assert result.model.layers[0].compute_dtype == "bfloat16"
+    finally:
+        keras.config.set_dtype_policy("float32")

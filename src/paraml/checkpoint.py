@@ -87,6 +87,7 @@ def save_checkpoint(
     checkpoint = tf.train.Checkpoint(
         **_trackables(model, optimizer),
         progress=tf.Variable(np.array([state.epoch, state.step, state.seed], np.int64), trainable=False),
+        optimizer_class=tf.Variable(type(optimizer).__name__, trainable=False),
     )
     if not write:
         scratch = Path(tempfile.mkdtemp(prefix="paraml-worker-ckpt-"))
@@ -97,6 +98,8 @@ def save_checkpoint(
         return scratch
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(f".{_PREFIX}-*"):  # a save that crashed half-way left its staging folder
+        shutil.rmtree(stale, ignore_errors=True)
     name = _next_name(root)
     staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}."))
     checkpoint.write(str(staging / _PREFIX))
@@ -153,6 +156,18 @@ def restore_checkpoint(
     except (tf.errors.OpError, ValueError, IndexError) as error:
         raise ValueError(f"checkpoint {str(folder)!r} is corrupt or truncated: {error}") from None
     stored = {key.split("/")[0]: tuple(shape) for key, shape in stored.items() if "/.ATTRIBUTES/" in key}
+    if "optimizer_class" in stored:
+        try:
+            saved_class = tf.train.load_checkpoint(prefix).get_tensor("optimizer_class/.ATTRIBUTES/VARIABLE_VALUE")
+        except (tf.errors.OpError, ValueError, IndexError) as error:
+            raise ValueError(f"checkpoint {str(folder)!r} is corrupt or truncated: {error}") from None
+        saved_class = saved_class.decode() if isinstance(saved_class, bytes) else str(saved_class)
+        if saved_class != type(optimizer).__name__:
+            raise ValueError(
+                f"checkpoint {str(folder)!r} was written with the optimizer {saved_class}, this model uses "
+                f"{type(optimizer).__name__}: build with the same optimizer to resume (its state and learning rate "
+                "are restored), or load only the weights with model.set_weights"
+            )
     expected = _names(model, optimizer)
     for key, (variable_path, shape) in expected.items():
         if key not in stored:
@@ -174,6 +189,7 @@ def restore_checkpoint(
         )
     progress = tf.Variable(np.zeros(3, np.int64), trainable=False)
     checkpoint = tf.train.Checkpoint(**_trackables(model, optimizer), progress=progress)
+    # optimizer_class was checked above; it is not a variable of this model, so it is not restored
     try:
         checkpoint.read(prefix).assert_existing_objects_matched()
     except (tf.errors.OpError, AssertionError, IndexError, ValueError) as error:

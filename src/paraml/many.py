@@ -390,9 +390,11 @@ def fit_many(
                 say(f"job {job.name!r} {verb} on {device} in {result.seconds:.1f}s: {outcome}")
 
     crashes: list[BaseException] = []
+    policy = keras.config.dtype_policy()  # Keras keeps it per thread: carry the caller's into the workers
 
     def worker(device: str) -> None:
         try:
+            keras.config.set_dtype_policy(policy)
             work(device)
         except BaseException as error:  # fit_many's own failure (e.g. writing to `out`), not a job's: stop all
             crashes.append(error)
