@@ -95,19 +95,6 @@ def main(argv: list[str] | None = None) -> int:
         layers = [keras.layers.Dense(width, activation="relu" if i < depth - 1 else None) for i in range(depth)]
         return keras.Sequential([keras.Input((width,)), *layers], name=f"dense{depth}x{width}")
 
-    class CpuClock(keras.callbacks.Callback):
-        """Process CPU time over the batches ``_step_clock`` times: steadier than wall time when other programs take
-        the cores, and CPU/wall says how many cores the variant kept busy."""
-
-        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            if batch == 0:
-                self.start, self.batches = time.process_time(), 0
-            else:
-                self.end, self.batches = time.process_time(), batch
-
-        def ms_per_step(self) -> float:
-            return (self.end - self.start) * 1000 / self.batches
-
     def build(strategy: str, **options: Any) -> Parallel:
         par = Parallel(strategy, seed=0, **options)
         par.build(
@@ -140,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def window(par: Parallel = par) -> tuple[float, float]:
             """One fit call: steady-state (wall ms per step, process CPU ms per step), over the same batches."""
-            clock, cpu = _step_clock(), CpuClock()
+            clock, cpu = _step_clock(), _step_clock(time.process_time)  # wall and CPU time of the same batches
             par.fit(x, y, batch_size=GLOBAL_BATCH, verbose=0, shuffle=False, callbacks=[clock, cpu])
             return clock.ms_per_step(), cpu.ms_per_step()
 
