@@ -8,7 +8,6 @@ divisor), so that batch is neither dropped nor counted twice.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -66,11 +65,6 @@ class GlobalBatches:
     def spans_epochs(self) -> bool:
         """Whether :meth:`dataset` can give several epochs at once (arrays can; a user's dataset cannot)."""
         return self.arrays is not None
-
-
-def epoch_seed(seed: int, epoch: int) -> int:
-    """A shuffle seed for ``epoch`` that depends only on ``seed`` and ``epoch`` (stable across processes)."""
-    return zlib.crc32(f"{seed}:{epoch}".encode()) & 0x7FFFFFFF
 
 
 def _num_rows(value: Any, what: str) -> int:

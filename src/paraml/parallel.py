@@ -320,12 +320,12 @@ class Parallel:
         start_step, on_progress = 0, None
         if checkpoint_dir is not None:
             state = self.restore(checkpoint_dir) if latest_checkpoint(checkpoint_dir) is not None else None
-            if self.num_workers > 1:  # resuming at different points would hang the collectives: fail instead
-                self.backend.check_same_on_every_worker(
-                    -1 if state is None else state.epoch * 1_000_000_000 + state.step,
-                    f"where to resume from {str(checkpoint_dir)!r} (-1: no checkpoint; epoch * 1e9 + step). "
-                    "checkpoint_dir must be on storage every worker sees (the chief writes it)",
-                )
+            # Workers resuming at different points would hang in the collectives: fail instead.
+            self.backend.check_same_on_every_worker(
+                -1 if state is None else state.epoch * 1_000_000_000 + state.step,
+                f"where to resume from {str(checkpoint_dir)!r} (-1: no checkpoint; epoch * 1e9 + step). "
+                "checkpoint_dir must be on storage every worker sees (the chief writes it)",
+            )
             if state is not None and (state.epoch > initial_epoch or (state.epoch == initial_epoch and state.step)):
                 initial_epoch, start_step = state.epoch, state.step
                 source = self._batches(x, y, batch_size, shuffle=shuffle)  # the checkpoint's seed decides order

@@ -123,6 +123,10 @@ class Backend(abc.ABC):
             loss = objective(y_pred, y, sample_weight, True)
         return tape.gradient(loss, model.trainable_variables), y_pred
 
+    def check_same_on_every_worker(self, value: int, what: str) -> None:
+        """Raise unless every worker passes the same ``value``; a no-op for a single process."""
+        del value, what  # one process agrees with itself
+
     def describe(self) -> str:
         """A one-line human description of the backend and its devices."""
         return f"{self.name} on {len(self.devices)} device(s): {', '.join(self.devices)}"
