@@ -2,12 +2,15 @@
 
 The model is 12 identical ``Dense(512)`` layers on a 512-wide input (ReLU except the last, which gives 512 logits),
 trained with Adam at the global batch of :data:`paraml.bench.GLOBAL_BATCH`. Identical layers make balanced stages
-possible, so the numbers below measure paraml, not a lopsided model. Three questions:
+possible, so the numbers below measure paraml, not a lopsided model. A keras_hub ``GPT2CausalLM`` (random init, a
+small config built from its classes, no download) is timed next to it: the staging cost on a real transformer, run by
+its own ``call`` with each unit under its stage's device. Three questions:
 
 1. **The cost of staging.** ``Parallel("model_parallel", devices=2, micro_batches=1)`` against ``Parallel("single")``
    on the same model and batch: the ratio of steady-state step times. Staging runs the model layer by layer under
    ``tf.device(stage)`` and copies the activations between devices; with one micro-batch nothing overlaps, so this is
-   the price of the split itself (target: <= 1.10).
+   the price of the split itself (target: <= 1.10). Measured on the Dense stack and on GPT-2 (``--gpt2-*`` options
+   set its size; ``--gpt2-layers 0`` leaves it out), in the same interleaved rounds.
 2. **The gain of pipelining.** Throughput (samples/s) with ``micro_batches`` 2, 4 and 8 against 1, printed next to
    the ideal GPipe gain ``K*M/(M+K-1)`` for K = 2 stages (bubble-limited, communication-free). Here the devices are
    logical CPUs that share ONE thread pool (field notes 7): stage 1 working on micro-batch i while stage 0 works on
@@ -61,6 +64,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--micro-batches", default="2,4,8", help="micro-batch counts compared with 1 (default 2,4,8)")
     parser.add_argument("--layers", type=int, default=12, help="Dense layers (default 12)")
     parser.add_argument("--width", type=int, default=512, help="width of the input and of every layer (default 512)")
+    parser.add_argument("--gpt2-layers", type=int, default=4, help="GPT-2 transformer layers (default 4; 0: no GPT-2)")
+    parser.add_argument("--gpt2-hidden", type=int, default=128, help="GPT-2 hidden size (default 128)")
+    parser.add_argument("--gpt2-seq", type=int, default=64, help="GPT-2 sequence length (default 64)")
+    parser.add_argument("--gpt2-vocab", type=int, default=1000, help="GPT-2 vocabulary size (default 1000)")
+    parser.add_argument("--gpt2-batch", type=int, default=32, help="GPT-2 global batch (default 32)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every round's window times")
     parser.add_argument("--json", metavar="PATH", help="also write the JSON result line to PATH")
     return parser.parse_args(argv)
@@ -95,19 +103,37 @@ def main(argv: list[str] | None = None) -> int:
         layers = [keras.layers.Dense(width, activation="relu" if i < depth - 1 else None) for i in range(depth)]
         return keras.Sequential([keras.Input((width,)), *layers], name=f"dense{depth}x{width}")
 
-    def build(strategy: str, **options: Any) -> Parallel:
-        par = Parallel(strategy, seed=0, **options)
-        par.build(
-            model_fn,
-            optimizer=keras.optimizers.Adam(1e-3),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    def gpt2_fn() -> keras.Model:
+        import keras_hub  # a benchmark-only dependency (the dev extra), never imported by paraml
+
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=args.gpt2_vocab,
+            num_layers=args.gpt2_layers,
+            num_heads=4,
+            hidden_dim=args.gpt2_hidden,
+            intermediate_dim=4 * args.gpt2_hidden,
+            max_sequence_length=args.gpt2_seq,
         )
+        return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+
+    def token_loss(y_true: Any, y_pred: Any) -> Any:
+        return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True), axis=-1)
+
+    def build(strategy: str, gpt2: bool = False, **options: Any) -> Parallel:
+        par = Parallel(strategy, seed=0, **options)
+        loss = token_loss if gpt2 else keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        par.build(gpt2_fn if gpt2 else model_fn, optimizer=keras.optimizers.Adam(1e-3), loss=loss)
         return par
 
     rng = np.random.default_rng(0)
     rows = (args.steps + 1) * GLOBAL_BATCH
     x = rng.random((rows, width), dtype=np.float32)
     y = rng.integers(0, width, rows).astype(np.int32)
+    gpt2_rows = (args.steps + 1) * args.gpt2_batch
+    ids = rng.integers(0, args.gpt2_vocab, (gpt2_rows, args.gpt2_seq)).astype(np.int32)
+    gpt2_x = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+    gpt2_y = np.roll(ids, -1, axis=1)
+    data = {False: (x, y, GLOBAL_BATCH), True: (gpt2_x, gpt2_y, args.gpt2_batch)}
 
     # -- build, trace and warm up every timed variant ---------------------------------------------------------------
     specs: list[tuple[str, str, dict[str, Any]]] = [("single", "single", {})]
@@ -115,20 +141,29 @@ def main(argv: list[str] | None = None) -> int:
         (f"mp{TIMED_STAGES} mb={m}", "model_parallel", {"devices": TIMED_STAGES, "micro_batches": m})
         for m in [1, *micro_batches]
     ]
+    if args.gpt2_layers:
+        specs += [
+            ("gpt2 single", "single", {"gpt2": True}),
+            (f"gpt2 mp{TIMED_STAGES} mb=1", "model_parallel", {"gpt2": True, "devices": TIMED_STAGES}),
+        ]
     variants: dict[str, Callable[[], tuple[float, float]]] = {}
     pars: dict[str, Parallel] = {}
     first_step_s: dict[str, float] = {}
+    batches: dict[str, int] = {}
     for i, (name, strategy, options) in enumerate(specs, start=1):
         log(f"{i}/{len(specs)} build, trace and warm up {name}")
         par = pars[name] = build(strategy, **options)
+        vx, vy, batch = data[bool(options.get("gpt2"))]
+        batches[name] = batch
         start = time.perf_counter()
-        par.fit(x[:GLOBAL_BATCH], y[:GLOBAL_BATCH], batch_size=GLOBAL_BATCH, verbose=0)  # traces the step
+        first_x = {k: v[:batch] for k, v in vx.items()} if isinstance(vx, dict) else vx[:batch]
+        par.fit(first_x, vy[:batch], batch_size=batch, verbose=0)  # traces the step
         first_step_s[name] = time.perf_counter() - start
 
-        def window(par: Parallel = par) -> tuple[float, float]:
+        def window(par: Parallel = par, vx: Any = vx, vy: Any = vy, batch: int = batch) -> tuple[float, float]:
             """One fit call: steady-state (wall ms per step, process CPU ms per step), over the same batches."""
             clock, cpu = _step_clock(), _step_clock(time.process_time)  # wall and CPU time of the same batches
-            par.fit(x, y, batch_size=GLOBAL_BATCH, verbose=0, shuffle=False, callbacks=[clock, cpu])
+            par.fit(vx, vy, batch_size=batch, verbose=0, shuffle=False, callbacks=[clock, cpu])
             return clock.ms_per_step(), cpu.ms_per_step()
 
         window()  # warm-up
@@ -184,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
 
     base = f"mp{TIMED_STAGES} mb=1"
     staging = ratios(base, "single")
+    gpt2_staging = ratios(f"gpt2 mp{TIMED_STAGES} mb=1", "gpt2 single") if args.gpt2_layers else None
     pipeline = {}
     for m in micro_batches:
         slower = ratios(f"mp{TIMED_STAGES} mb={m}", base)  # step time ratio; throughput is its inverse
@@ -201,14 +237,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.windows} interleaved windows of {args.steps} steps, medians"
     )
     print()
-    header = f"{'variant':<14}{'step ms':>9}{'min':>8}{'max':>8}{'samples/s':>11}{'cpu ms':>8}{'cores busy':>12}"
+    header = f"{'variant':<18}{'step ms':>9}{'min':>8}{'max':>8}{'samples/s':>11}{'cpu ms':>8}{'cores busy':>12}"
     header += f"{'first step s':>14}"
     print(header)
     print("-" * len(header))
     for name in names:
         print(
-            f"{name:<14}{median[name]:>9.2f}{min(ms[name]):>8.2f}{max(ms[name]):>8.2f}"
-            f"{GLOBAL_BATCH / median[name] * 1000:>11.0f}{cpu_median[name]:>8.2f}{cores[name]:>12.2f}"
+            f"{name:<18}{median[name]:>9.2f}{min(ms[name]):>8.2f}{max(ms[name]):>8.2f}"
+            f"{batches[name] / median[name] * 1000:>11.0f}{cpu_median[name]:>8.2f}{cores[name]:>12.2f}"
             f"{first_step_s[name]:>14.2f}"
         )
     print()
@@ -218,9 +254,18 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"1. Cost of staging: step time of {base} / single")
     print(
-        f"   {staging['median']:.3f} (ratio of medians), {staging['paired']:.3f} (median of per-round ratios), "
-        f"{staging['cpu']:.3f} (CPU time); {verdict(staging['median'])}"
+        f"   Dense stack: {staging['median']:.3f} (ratio of medians), {staging['paired']:.3f} (median of per-round "
+        f"ratios), {staging['cpu']:.3f} (CPU time); {verdict(staging['median'])}"
     )
+    if gpt2_staging is not None:
+        print(
+            f"   GPT-2 ({args.gpt2_layers} layers, hidden {args.gpt2_hidden}, seq {args.gpt2_seq}, vocab "
+            f"{args.gpt2_vocab}, batch {args.gpt2_batch}): {gpt2_staging['median']:.3f} (ratio of medians), "
+            f"{gpt2_staging['paired']:.3f} (paired), {gpt2_staging['cpu']:.3f} (CPU time); "
+            f"{verdict(gpt2_staging['median'])}"
+        )
+        print("   GPT-2 plan:")
+        print("\n".join("   " + line for line in pars[f"gpt2 mp{TIMED_STAGES} mb=1"].describe().splitlines()))
     print()
     print(f"2. Pipelining, K={TIMED_STAGES} stages: throughput with M micro-batches / with 1")
     print(f"   {'M':>3}{'measured':>10}{'paired':>9}{'ideal K*M/(M+K-1)':>20}")
@@ -260,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         "variants": {
             name: {
                 "step_ms": median[name],
-                "samples_per_s": GLOBAL_BATCH / median[name] * 1000,
+                "samples_per_s": batches[name] / median[name] * 1000,
                 "windows_ms": ms[name],
                 "cpu_ms_per_step": cpu_median[name],
                 "cpu_windows_ms": cpu_ms[name],
@@ -270,6 +315,14 @@ def main(argv: list[str] | None = None) -> int:
             for name in names
         },
         "staging_vs_single": staging,
+        "gpt2_staging_vs_single": gpt2_staging,
+        "gpt2": {
+            "layers": args.gpt2_layers,
+            "hidden": args.gpt2_hidden,
+            "seq": args.gpt2_seq,
+            "vocab": args.gpt2_vocab,
+            "batch": args.gpt2_batch,
+        },
         "pipeline": pipeline,
         "memory": memory,
         "single_bytes": single_bytes,

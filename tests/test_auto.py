@@ -40,13 +40,19 @@ def test_the_rule(workers, devices, need, have, expected):
 
 
 def test_a_model_that_does_not_fit_picks_model_parallel():
-    par = Parallel("auto", devices=2, device_memory="64KiB", micro_batches=2)
+    par = Parallel("auto", devices=2, device_memory="1.2MiB", micro_batches=2)  # the model needs ~1.3 MiB
     assert par.strategy == "auto"  # decided at build, when the model is known
     par.build(wide, optimizer="adam", loss="mse")
     assert par.strategy == "model_parallel"
     assert par.backend.micro_batches == 2
     text = par.explain()
-    assert "does not fit" in text and "64.00 KiB" in text and "optimizer slots" in text and "MiB" in text
+    assert "does not fit" in text and "1.20 MiB" in text and "optimizer slots" in text and "MiB" in text
+
+
+def test_a_layer_larger_than_a_device_is_named_when_auto_picks_model_parallel():
+    par = Parallel("auto", devices=2, device_memory="64KiB")
+    with pytest.raises(ValueError, match=r"unit 'dense_\d+' needs 1.0\d MiB .*than a device's 64.00 KiB"):
+        par.build(wide, optimizer="adam", loss="mse")
 
 
 def test_a_model_that_fits_picks_mirrored():

@@ -190,3 +190,36 @@ def test_restore_with_another_optimizer_names_both(tmp_path):
     other.build(model_fn, optimizer="sgd", loss=logits_loss())
     with pytest.raises(ValueError, match="written with the optimizer Adam, this model uses SGD"):
         other.restore(tmp_path)
+
+
+def test_fit_refuses_an_unwritable_checkpoint_dir_and_another_models_checkpoint(tmp_path, data):
+    """Both fail before training; the existing checkpoint is left exactly as it was."""
+    x, y = data
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    par = make("single")
+    before = [w.copy() for w in par.model.get_weights()]
+    try:
+        if os.access(locked, os.W_OK):  # root ignores the mode bits: use a path under a file instead
+            (tmp_path / "file").write_text("")
+            target = tmp_path / "file" / "ckpt"
+        else:
+            target = locked / "ckpt"
+        with pytest.raises(PermissionError, match="not writable"):
+            par.fit(x, y, verbose=0, checkpoint_dir=target)
+    finally:
+        locked.chmod(0o700)
+    assert all(np.array_equal(a, b) for a, b in zip(before, par.model.get_weights()))
+
+    make("single").fit(x, y, verbose=0, checkpoint_dir=tmp_path / "ckpt")
+    files = {p: p.read_bytes() for p in (tmp_path / "ckpt").rglob("*") if p.is_file()}
+    other = Parallel("single", seed=7)
+    other.build(
+        lambda: keras.Sequential([keras.Input((8,)), keras.layers.Dense(5), keras.layers.Dense(3)]),
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=logits_loss(),
+    )
+    with pytest.raises(ValueError, match="is of a different model"):
+        other.fit(x, y, verbose=0, checkpoint_dir=tmp_path / "ckpt")
+    assert {p: p.read_bytes() for p in (tmp_path / "ckpt").rglob("*") if p.is_file()} == files

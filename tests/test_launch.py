@@ -1,8 +1,9 @@
 """Tests for paraml.launch, the local multi-worker launcher.
 
-The workers are tiny Python scripts written to tmp_path (no TensorFlow). Each
-test is bounded to 60 s by a SIGALRM guard; subprocess-based tests also pass
-timeout=60.
+The workers are tiny Python scripts written to tmp_path (no TensorFlow), except
+one restart test that trains with TensorFlow (tests/scripts/restart_train.py).
+Each test is bounded to 60 s by a SIGALRM guard (more with @_time_limit);
+subprocess-based tests also pass a timeout.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -34,6 +36,7 @@ from paraml.launch import (
 )
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
 LAUNCH_PY = SRC / "paraml" / "launch.py"
 
 # Shared start of every worker script: record the PID atomically, so the test can
@@ -68,15 +71,29 @@ class _TestTimeout(Exception):
     pass
 
 
+_F = TypeVar("_F", bound=Callable[..., object])
+
+
+def _time_limit(seconds: int) -> Callable[[_F], _F]:
+    """Give one test a longer limit than 60 s (the TensorFlow launches)."""
+
+    def mark(test: _F) -> _F:
+        test.time_limit = seconds  # type: ignore[attr-defined]
+        return test
+
+    return mark
+
+
 @pytest.fixture(autouse=True)
-def _sixty_second_limit() -> Iterator[None]:
-    """Fail (instead of hanging) if a test runs longer than 60 s."""
+def _sixty_second_limit(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail (instead of hanging) if a test runs longer than 60 s (or its @_time_limit)."""
+    limit = getattr(request.function, "time_limit", 60)
 
     def on_alarm(signum: int, frame: object) -> None:
-        raise _TestTimeout("test did not finish within 60 s")
+        raise _TestTimeout(f"test did not finish within {limit} s")
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(60)
+    signal.alarm(limit)
     try:
         yield
     finally:
@@ -581,3 +598,210 @@ def test_ctrl_c_to_the_terminal_group_stops_workers_gracefully(tmp_path):
     output = proc.stdout.read()
     assert proc.wait(timeout=60) == 130
     assert output.count("clean exit") == 2
+
+
+# ------------------------------------------------------------------------- restarts
+
+# Each run of a worker records its PID under its restart count, so every process of every run can be checked.
+RESTART_PIDS = """
+RESTART = int(os.environ["PARAML_RESTART"])
+publish(f"pid{INDEX}-r{RESTART}", str(os.getpid()))
+"""
+
+
+def _run_pids(tmp_path: Path) -> dict[str, int]:
+    return {p.name: int(p.read_text()) for p in tmp_path.glob("pid*-r*") if p.suffix != ".tmp"}
+
+
+def test_a_worker_that_dies_once_is_restarted_with_every_other(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        RESTART_PIDS
+        + textwrap.dedent(
+            """
+        print(f"run {RESTART} cluster=" + json.dumps(json.loads(os.environ["TF_CONFIG"])["cluster"]))
+        if RESTART == 0:
+            if INDEX == 1:
+                wait_for("pid0-r0")
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(1000)  # worker 0 of the first run would wait forever: the launcher must stop it
+        print(f"finished run {RESTART}")
+        """
+        ),
+    )
+    out, err = io.StringIO(), io.StringIO()
+
+    code = launch(str(script), num_workers=2, stop_timeout=5, max_restarts=2, out=out, err=err)
+
+    assert code == 0
+    assert err.getvalue() == "paraml launch: worker 1 was killed by SIGKILL (exit code 137); restart 1 of 2\n"
+    text = out.getvalue()
+    assert "[paraml launch] worker 1 was killed by SIGKILL (exit code 137); stopping the others" in text
+    assert "[worker 0] finished run 1" in text and "[worker 1] finished run 1" in text
+    assert "run 2" not in text  # one restart was enough
+    pids = _run_pids(tmp_path)
+    assert sorted(pids) == ["pid0-r0", "pid0-r1", "pid1-r0", "pid1-r1"]
+    for pid in pids.values():
+        _assert_gone(pid)
+    clusters = [line.split("cluster=", 1)[1] for line in text.splitlines() if "cluster=" in line]
+    assert len(clusters) == 4 and len(set(clusters)) <= 2  # each run: one cluster shared by its workers
+
+
+def test_restarts_run_out_and_the_last_failure_code_is_returned(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        RESTART_PIDS
+        + textwrap.dedent(
+            """
+        if INDEX == 1:
+            sys.exit(3 + RESTART)  # fails on every run, with a different code each time
+        time.sleep(1000)
+        """
+        ),
+    )
+    err = io.StringIO()
+
+    code = launch(str(script), num_workers=2, stop_timeout=5, max_restarts=2, out=io.StringIO(), err=err)
+
+    assert code == 5  # the third (last) run's failure
+    assert err.getvalue().splitlines() == [
+        "paraml launch: worker 1 exited with code 3; restart 1 of 2",
+        "paraml launch: worker 1 exited with code 4; restart 2 of 2",
+        "paraml launch: worker 1 exited with code 5; no restarts left (2 used)",
+    ]
+    pids = _run_pids(tmp_path)
+    assert len(pids) == 6
+    for pid in pids.values():
+        _assert_gone(pid)
+
+
+def test_without_max_restarts_nothing_is_restarted(tmp_path: Path) -> None:
+    script = _script(tmp_path, RESTART_PIDS + "sys.exit(4)\n")
+    err = io.StringIO()
+    assert launch(str(script), num_workers=1, out=io.StringIO(), err=err) == 4
+    assert err.getvalue() == ""
+    assert sorted(_run_pids(tmp_path)) == ["pid0-r0"]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_max_restarts_must_be_a_non_negative_int(tmp_path: Path, bad: object) -> None:
+    script = _script(tmp_path, "")
+    with pytest.raises(ValueError, match=f"--max-restarts.*got {bad!r}"):
+        launch(str(script), num_workers=1, max_restarts=bad, out=io.StringIO())  # type: ignore[arg-type]
+    assert not (tmp_path / "pid0").exists()
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        ("-1", "paraml launch: error: the number of restarts (--max-restarts) must be an integer >= 0, got -1"),
+        ("two", "argument --max-restarts: invalid int value: 'two'"),
+    ],
+)
+def test_main_reports_a_bad_max_restarts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str, fragment: str
+) -> None:
+    script = _script(tmp_path, "")
+    assert main(["--max-restarts", value, str(script)]) == 2
+    assert fragment in capsys.readouterr().err
+    assert not (tmp_path / "pid0").exists()  # nothing was started
+
+
+def test_the_cli_passes_max_restarts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from paraml.cli import main as paraml_main
+
+    script = _script(tmp_path, RESTART_PIDS + "sys.exit(0 if RESTART == 1 else 6)\n")
+    argv = ["launch", "-n", "1", "--no-isolate-network", "--max-restarts", "1", str(script)]
+    assert paraml_main(argv) == 0
+    assert "paraml launch: worker 0 exited with code 6; restart 1 of 1" in capsys.readouterr().err
+
+
+def test_a_signal_to_the_launcher_is_never_restarted(tmp_path: Path) -> None:
+    script = _script(tmp_path, RESTART_PIDS + "time.sleep(1000)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "paraml.launch", "-n", "2", "--max-restarts", "3", "--stop-timeout", "5", str(script)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        for _ in range(1000):
+            if len(_run_pids(tmp_path)) == 2 or launcher.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert launcher.poll() is None, "launcher ended before its workers started"
+        launcher.send_signal(signal.SIGTERM)
+        stdout, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 143, stderr.decode()
+    assert "restart" not in stderr.decode()
+    pids = _run_pids(tmp_path)
+    assert sorted(pids) == ["pid0-r0", "pid1-r0"]
+    for pid in pids.values():
+        assert not _is_alive(pid)  # the workers were the inner launcher's children
+
+
+@pytest.mark.skipif(isolation_prefix() is None, reason="no unshare / user namespaces on this machine")
+def test_the_isolated_launch_restarts_too(tmp_path: Path) -> None:
+    script = _script(tmp_path, RESTART_PIDS + "sys.exit(9 if (RESTART, INDEX) == (0, 1) else 0)\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "paraml.launch", "-n", "2", "--max-restarts", "1", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])),
+    )
+    assert done.returncode == 0, done.stderr
+    assert "no private network namespace" not in done.stderr  # it really ran isolated
+    assert "paraml launch: worker 1 exited with code 9; restart 1 of 1" in done.stderr
+    assert sorted(_run_pids(tmp_path)) == ["pid0-r0", "pid0-r1", "pid1-r0", "pid1-r1"]
+
+
+def _launch_training(out: Path, launch_args: list[str], script_args: list[str]) -> subprocess.CompletedProcess[str]:
+    out.mkdir()
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("TF_CONFIG", None)
+    command = [sys.executable, "-m", "paraml", "launch", "-n", "2", "--stop-timeout", "2", *launch_args]
+    return subprocess.run(
+        [*command, str(SCRIPTS / "restart_train.py"), str(out), *script_args],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
+    )
+
+
+@_time_limit(480)
+def test_a_killed_worker_resumes_from_the_checkpoint_with_the_uninterrupted_weights(tmp_path: Path) -> None:
+    """paraml launch -n 2 --max-restarts 2, worker 1 SIGKILLs itself once in epoch 2 (of 0..2): the launch exits 0
+    and the chief's final weights equal an uninterrupted launch's; no process of the job outlives the launch."""
+    import numpy as np
+
+    reference = _launch_training(tmp_path / "reference", [], [])
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    # 23 steps an epoch (1,438 samples, global batch 64): step 51 is in the middle of epoch 2.
+    faulted = _launch_training(tmp_path / "faulted", ["--max-restarts", "2"], ["--kill", "0:1:51"])
+    assert faulted.returncode == 0, f"{faulted.stdout[-3000:]}\n{faulted.stderr[-3000:]}"
+
+    assert "paraml launch: worker 1 was killed by SIGKILL (exit code 137); restart 1 of 2" in faulted.stderr
+    assert "restart 2 of 2" not in faulted.stderr
+    events = [json.loads(line) for line in (tmp_path / "faulted" / "events.jsonl").read_text().splitlines()]
+    kills = [e for e in events if e["event"] == "kill"]
+    assert [(e["restart"], e["worker"], e["step"]) for e in kills] == [(0, 1, 51)]
+    resumed = {e["worker"]: e["step"] for e in events if e["event"] == "first_step" and e["restart"] == 1}
+    assert resumed == {0: 47, 1: 47}  # from the checkpoint at the end of epoch 1, not from step 1
+
+    expected = np.load(tmp_path / "reference" / "weights.npz")
+    got = np.load(tmp_path / "faulted" / "weights.npz")
+    assert len(got.files) == len(expected.files) > 0
+    for name in expected.files:
+        np.testing.assert_allclose(got[name], expected[name], rtol=0, atol=1e-5)
+
+    pids = [int(p.read_text()) for p in (tmp_path / "faulted").glob("pid-r*-w*")]
+    assert len(pids) == 4  # 2 workers x 2 runs
+    for pid in pids:
+        _assert_gone(pid)  # the launcher (a child of ours) reaped them all; nothing outlived it

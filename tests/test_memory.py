@@ -19,6 +19,8 @@ from paraml.memory import (  # noqa: E402
     estimate_memory,
     format_bytes,
     layer_costs,
+    model_units,
+    observe_units,
     optimizer_slots_per_param,
     parse_size,
 )
@@ -292,23 +294,62 @@ def test_estimate_does_not_build_the_given_optimizer() -> None:
     assert not opt.built
 
 
-def test_subclassed_model_has_unknown_activations() -> None:
+def test_subclassed_model_activations_are_measured_from_a_call() -> None:
     class Sub(keras.Model):
         def __init__(self) -> None:
             super().__init__()
-            self.dense = keras.layers.Dense(3)
+            self.dense = keras.layers.Dense(3, name="inner")
 
         def call(self, x):  # noqa: ANN001, ANN201
-            return self.dense(x)
+            return keras.ops.relu(self.dense(x))
 
     model = Sub()
     model(np.zeros((1, 4), "float32"))
-    est = estimate_memory(model, optimizer="adam")
+    est = estimate_memory(model, batch_size=5, optimizer="adam")
     assert est.parameters == (4 * 3 + 3) * F32
     assert est.optimizer_slots == 2 * (4 * 3 + 3) * F32
-    assert est.activations == 0
-    assert "activations unknown" in est.note
-    assert "activations unknown" in str(est)
+    assert est.per_layer == (("inner", (4 * 3 + 3) * F32, 5 * 3 * F32),)
+    assert est.note == ""
+    assert model.call.__func__ is Sub.call  # the observation left the model as it was
+
+
+def test_a_model_that_cannot_be_called_falls_back_to_declaration_order() -> None:
+    class NeedsTwo(keras.Model):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = keras.layers.Dense(3, name="a")
+            self.a.build((None, 4))
+
+        def call(self, pair):  # noqa: ANN001, ANN201
+            return self.a(pair[0]) + pair[1]
+
+    model = NeedsTwo()
+    model.build((2, 4))  # a shape the model cannot actually be called with
+    est = estimate_memory(model, optimizer="sgd")
+    assert [name for name, _, _ in est.per_layer] == ["a"]
+    assert "could not be called on a probe batch" in est.note
+
+
+def test_units_descend_into_nested_models_and_count_a_shared_layer_once() -> None:
+    inner_in = keras.Input((4,))
+    inner = keras.Model(inner_in, keras.layers.Dense(4, name="dense")(inner_in), name="backbone")
+    inputs = keras.Input((4,))
+    shared = keras.layers.Dense(4, name="shared")
+    h = shared(shared(inner(inputs)))
+    model = keras.Model(inputs, keras.layers.Dense(2, name="dense")(h))
+    obs = observe_units(model)
+    assert [(u.name, u.calls) for u in obs.units] == [("backbone/dense", 1), ("shared", 2), ("dense", 1)]
+    costs = layer_costs(model, batch_size=3)
+    assert costs[1] == LayerCost("shared", (4 * 4 + 4) * F32, 2 * 3 * 4 * F32)  # params once, outputs of both calls
+    assert [name for name, _ in model_units(model)] == ["backbone/dense", "shared", "dense"]
+
+
+def test_unknown_dimensions_are_probed_and_noted() -> None:
+    inputs = keras.Input((None, 4))
+    model = keras.Model(inputs, keras.layers.Dense(2, name="d")(inputs))
+    est = estimate_memory(model, batch_size=1)
+    assert est.per_layer == (("d", (4 * 2 + 2) * F32, 8 * 2 * F32),)
+    assert "set to 8" in est.note
 
 
 def test_estimate_errors() -> None:

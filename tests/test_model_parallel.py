@@ -1,8 +1,10 @@
-"""model_parallel on simulated devices: parity with single, real placement, balanced stages, clear errors."""
+"""model_parallel on simulated devices: any keras.Model staged by its own call, parity with single, real placement,
+balanced stages, clear errors at build."""
 
 import itertools
 
 import keras
+import keras_hub
 import numpy as np
 import pytest
 from conftest import logits_loss
@@ -12,6 +14,7 @@ from paraml.memory import layer_costs
 from paraml.partition import layer_cost
 
 
+# -- models -------------------------------------------------------------------------------------------------------
 def sequential():
     layers = [keras.layers.Dense(16, activation="relu", name=f"d{i}") for i in range(4)]
     return keras.Sequential([keras.Input((8,)), *layers, keras.layers.Dense(3, name="out")])
@@ -27,33 +30,228 @@ def with_skip():
     return keras.Model(inputs, keras.layers.Dense(3, name="out")(added))
 
 
-def build(strategy, model_fn, devices=None, optimizer=None, **options):
-    par = Parallel(strategy, devices=devices, seed=0, **options)
-    par.build(model_fn, optimizer=optimizer or keras.optimizers.SGD(0.1), loss=logits_loss(), metrics=["accuracy"])
-    return par
+def ops_between_layers():
+    inputs = keras.Input((8,))
+    h1 = keras.layers.Dense(16, name="h1")(inputs)
+    h2 = keras.layers.Dense(16, name="h2")(inputs)
+    h = keras.ops.relu(h1 + h2) * 0.5
+    h = keras.layers.Dense(16, name="h3")(h)
+    return keras.Model(inputs, keras.layers.Dense(3, name="out")(keras.ops.tanh(h) + h))
 
 
-@pytest.fixture(scope="module")
-def data():
+def nested():
+    body = keras.Input((8,))
+    features = keras.layers.Dense(16, activation="relu", name="b1")(body)
+    features = keras.layers.Dense(16, activation="relu", name="b2")(features)
+    backbone = keras.Model(body, features, name="backbone")
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(16, name="head_hidden")(backbone(inputs))
+    return keras.Model(inputs, keras.layers.Dense(3, name="head")(h))
+
+
+def shared_layer():
+    inputs = keras.Input((8,))
+    dense = keras.layers.Dense(8, activation="tanh", name="shared")
+    h = keras.layers.Dense(8, name="first")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(3, name="out")(dense(dense(h))))
+
+
+class Subclassed(keras.Model):
+    def __init__(self) -> None:
+        super().__init__(name="subclassed")
+        self.first = keras.layers.Dense(16, activation="relu", name="first")
+        self.second = keras.layers.Dense(16, name="second")
+        self.out = keras.layers.Dense(3, name="out")
+
+    def call(self, x, training=False):  # noqa: ANN001, ANN201
+        h = self.first(x)
+        return self.out(keras.ops.relu(self.second(h)) + h)
+
+
+def subclassed():
+    model = Subclassed()
+    model(np.zeros((1, 8), "float32"))
+    return model
+
+
+def transformer():
+    """A functional Transformer block: attention called as mha(x, x) with a mask, residuals, layer norms."""
+    inputs = keras.Input((6, 8))
+    h = keras.layers.Dense(16, name="embed")(inputs)
+    mask = keras.ops.ones((6, 6), dtype="bool")
+    attended = keras.layers.MultiHeadAttention(2, 8, name="mha")(h, h, attention_mask=mask)
+    h = keras.layers.LayerNormalization(name="ln1")(h + attended)
+    ffn = keras.layers.Dense(16, name="ffn2")(keras.layers.Dense(32, activation="relu", name="ffn1")(h))
+    h = keras.layers.LayerNormalization(name="ln2")(h + ffn)
+    return keras.Model(inputs, keras.layers.Dense(3, name="out")(keras.layers.GlobalAveragePooling1D(name="pool")(h)))
+
+
+def gpt2():
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=100,
+        num_layers=4,
+        num_heads=2,
+        hidden_dim=32,
+        intermediate_dim=64,
+        max_sequence_length=16,
+        dropout=0.0,  # parity with micro-batches needs no dropout: each micro-batch would draw its own mask
+    )
+    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+
+
+def bert():
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=100,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=32,
+        intermediate_dim=64,
+        max_sequence_length=16,
+        dropout=0.0,
+    )
+    inputs = {name: keras.Input((None,), dtype="int32", name=name) for name in backbone.input}
+    pooled = backbone(inputs)["pooled_output"]
+    return keras.Model(inputs, keras.layers.Dense(2, name="classifier")(pooled))
+
+
+def mobilenet():
+    backbone = keras.applications.MobileNetV2(
+        weights=None, alpha=0.35, input_shape=(32, 32, 3), include_top=False, pooling="avg"
+    )
+    inputs = keras.Input((32, 32, 3))
+    return keras.Model(inputs, keras.layers.Dense(3, name="head")(backbone(inputs)))
+
+
+def token_loss(y_true, y_pred):  # noqa: ANN001, ANN201
+    """Next-token cross-entropy, averaged over the sequence: one loss per sample."""
+    return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True), axis=-1)
+
+
+def dense_data(rows=32):
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(1001, 8)).astype("float32")
+    x = rng.normal(size=(rows, 8)).astype("float32")
     return x, (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0.5).astype("int32")
 
 
-@pytest.mark.parametrize("model_fn", [sequential, with_skip], ids=["sequential", "skip"])
-@pytest.mark.parametrize("micro_batches", [1, 4, 3])
-def test_parity_with_single(data, model_fn, micro_batches):
-    x, y = data
-    reference = build("single", model_fn)
-    initial = reference.model.get_weights()
-    reference.fit(x, y, batch_size=64, epochs=3, verbose=0)
-    par = build("model_parallel", model_fn, devices=2, micro_batches=micro_batches)
-    par.model.set_weights(initial)
-    par.fit(x, y, batch_size=64, epochs=3, verbose=0)
-    for got, want in zip(par.model.get_weights(), reference.model.get_weights()):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
-    assert par.evaluate(x, y, batch_size=64)["loss"] == pytest.approx(reference.evaluate(x, y, batch_size=64)["loss"])
-    np.testing.assert_allclose(par.predict(x), reference.predict(x), rtol=1e-4, atol=1e-6)
+def token_data():
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 100, (24, 16)).astype("int32")
+    return {"token_ids": ids, "padding_mask": np.ones_like(ids)}, rng.integers(0, 100, (24, 16)).astype("int32")
+
+
+def bert_data():
+    rng = np.random.default_rng(2)
+    ids = rng.integers(1, 100, (24, 16)).astype("int32")
+    lengths = rng.integers(4, 17, 24)
+    mask = (np.arange(16)[None, :] < lengths[:, None]).astype("int32")  # real padding: masked positions
+    x = {"token_ids": ids * mask, "segment_ids": np.zeros_like(ids), "padding_mask": mask}
+    return x, (lengths > 10).astype("int32")
+
+
+def image_data():
+    rng = np.random.default_rng(3)
+    return rng.normal(size=(16, 32, 32, 3)).astype("float32"), rng.integers(0, 3, 16).astype("int32")
+
+
+def sequence_data():
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(32, 6, 8)).astype("float32")
+    return x, (x[:, 0, 0] > 0).astype("int32")
+
+
+def build(strategy, model_fn, devices=None, optimizer=None, loss=None, **options):
+    par = Parallel(strategy, devices=devices, seed=0, **options)
+    par.build(model_fn, optimizer=optimizer or keras.optimizers.SGD(0.05), loss=loss or logits_loss())
+    return par
+
+
+def train(strategy, model_fn, data, loss=None, epochs=2, **options):
+    par = build(strategy, model_fn, devices=2 if strategy == "model_parallel" else None, loss=loss, **options)
+    history = par.fit(*data, batch_size=8, epochs=epochs, shuffle=False, verbose=0)
+    return par, history.history["loss"]
+
+
+def assert_same_training(model_fn, data, loss=None, micro_batches=(1, 2), epochs=2):
+    reference, want = train("single", model_fn, data, loss, epochs)
+    for m in micro_batches:
+        par, got = train("model_parallel", model_fn, data, loss, epochs, micro_batches=m)
+        np.testing.assert_allclose(got, want, rtol=1e-4, err_msg=f"loss history, micro_batches={m}")
+        for a, b in zip(par.model.get_weights(), reference.model.get_weights(), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=f"weights, micro_batches={m}")
+    return par
+
+
+def unit_devices(par):
+    """{variable id: the device of the stage of the unit that owns it}."""
+    return {id(v): device for _, layer, device in par.backend.placement for v in layer.variables}
+
+
+def assert_placed(par, max_share=None):
+    """Every variable on exactly one stage device, the one of its unit's stage; both devices used."""
+    owner = unit_devices(par)
+    per_device = dict.fromkeys(par.devices, 0)
+    for v in par.model.weights:
+        on = [d for d in par.devices if v.value.device.endswith(d.replace("/device:", ""))]
+        assert len(on) == 1, (v.path, v.value.device)
+        if id(v) in owner:
+            assert on[0] == owner[id(v)], (v.path, v.value.device, owner[id(v)])
+        per_device[on[0]] += int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+    assert all(b > 0 for b in per_device.values()), per_device
+    if max_share is not None:
+        assert max(per_device.values()) <= max_share * sum(per_device.values()), per_device
+    return per_device
+
+
+# -- parity with single -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "model_fn, data",
+    [
+        (sequential, dense_data),
+        (with_skip, dense_data),
+        (ops_between_layers, dense_data),
+        (nested, dense_data),
+        (shared_layer, dense_data),
+        (transformer, sequence_data),
+    ],
+    ids=["sequential", "skip", "ops-between-layers", "nested", "shared-layer", "transformer"],
+)
+def test_parity_with_single(model_fn, data):
+    par = assert_same_training(model_fn, data())
+    assert_placed(par)
+
+
+def test_parity_subclassed():
+    par = assert_same_training(subclassed, dense_data())
+    assert [s.layers for s in par.plan.stages] in ([("first",), ("second", "out")], [("first", "second"), ("out",)])
+
+
+def test_gpt2_causal_lm_parity_and_placement():
+    par = assert_same_training(gpt2, token_data(), loss=token_loss)
+    assert_placed(par)
+    names = [name for s in par.plan.stages for name in s.layers]
+    assert names.count("token_embedding") == 1  # the tied embedding (input and logits) is one unit
+    assert sum(name.startswith("transformer_layer_") for name in names) == 4  # the backbone was descended into
+    assert all(any(n.startswith("transformer_layer_") for n in s.layers) for s in par.plan.stages)
+
+
+def test_bert_classifier_parity_with_a_padding_mask():
+    assert_same_training(bert, bert_data())
+
+
+def test_mobilenet_v2_parity_with_batch_norm_in_training():
+    par = assert_same_training(mobilenet, image_data(), micro_batches=(1,), epochs=1)
+    assert_placed(par)
+    assert len([n for s in par.plan.stages for n in s.layers]) > 100  # the application was descended into
+
+
+@pytest.mark.parametrize("model_fn", [gpt2, bert], ids=["gpt2", "bert"])
+def test_transformers_balance_their_parameters(model_fn):
+    """Planned for the batch they train with and Adam: the larger device holds at most 60% of the parameters."""
+    loss = token_loss if model_fn is gpt2 else logits_loss()
+    par = build("model_parallel", model_fn, devices=2, optimizer="adam", batch_size=8, loss=loss)
+    assert_placed(par, max_share=0.60)
+    on = {v.value.device for v in par.model.optimizer.variables if len(v.shape) > 0}
+    assert len(on) == 2  # Adam's slots follow their variables onto both devices
 
 
 def test_same_seed_same_initial_weights_as_single():
@@ -61,6 +259,16 @@ def test_same_seed_same_initial_weights_as_single():
     staged = build("model_parallel", with_skip, devices=2)
     for a, b in zip(single.model.get_weights(), staged.model.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_predict_and_evaluate_match_single():
+    x, y = dense_data(40)
+    reference = build("single", nested)
+    staged = build("model_parallel", nested, devices=2, micro_batches=3)
+    np.testing.assert_allclose(staged.predict(x, batch_size=16), reference.predict(x, batch_size=16), rtol=1e-5)
+    assert staged.evaluate(x, y, batch_size=16)["loss"] == pytest.approx(
+        reference.evaluate(x, y, batch_size=16)["loss"]
+    )
 
 
 def test_every_variable_of_stage_k_lives_on_device_k():
@@ -71,9 +279,6 @@ def test_every_variable_of_stage_k_lives_on_device_k():
         device = par.devices[stage_of[layer.name]]
         for v in layer.weights:
             assert v.value.device.endswith(device), (v.path, v.value.device, device)
-    # Adam's slots follow their variables
-    on = {v.path.split("/")[-1]: v.value.device for v in par.model.optimizer.variables if len(v.shape) > 0}
-    assert on and all(d.endswith(("CPU:1", "CPU:3")) for d in on.values())
     per_device = {d: sum(v.value.device.endswith(d) for v in par.model.optimizer.variables) for d in par.devices}
     assert all(count > 0 for count in per_device.values())
 
@@ -94,10 +299,10 @@ def test_balanced_is_no_worse_than_the_best_contiguous_split(stages):
         for cuts in itertools.combinations(range(1, len(costs)), stages - 1)
     )
     assert par.plan.largest_stage_bytes <= best
-    assert any(stage.layers == ("big",) or "big" in stage.layers for stage in par.plan.stages)
+    assert "note: unit 'big' needs" in par.describe()  # one unit larger than a device's share is reported
 
 
-def test_explicit_partitions_and_describe():
+def test_explicit_partitions_and_describe_names_the_units():
     par = build("model_parallel", sequential, devices=2, partition=[["d0"], ["d1", "d2", "d3", "out"]])
     assert [s.layers for s in par.plan.stages] == [("d0",), ("d1", "d2", "d3", "out")]
     even = build("model_parallel", sequential, devices=2, partition="even")
@@ -105,19 +310,26 @@ def test_explicit_partitions_and_describe():
     bounds = build("model_parallel", sequential, devices=2, partition=[2])
     assert bounds.plan.stages[1].layers[0] == "d2"
     text = par.describe()
-    assert "/device:CPU:0" in text and "/device:CPU:1" in text and "d0" in text and "micro_batches=1" in text
+    assert "/device:CPU:0" in text and "/device:CPU:1" in text and "micro_batches=1" in text
+    assert "stage 0 units: d0\n" in text and "stage 1 units: d1, d2, d3, out" in text
 
 
+def test_nested_unit_names_are_the_layers_of_the_nested_model():
+    par = build("model_parallel", nested, devices=2, partition=[["b1", "b2"], ["head_hidden", "head"]])
+    assert [s.layers for s in par.plan.stages] == [("b1", "b2"), ("head_hidden", "head")]
+
+
+# -- clear errors at build ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "partition, message",
     [
-        ([["d0", "nope"], ["d1", "d2", "d3", "out"]], "nope"),
+        ([["d0", "nope"], ["d1", "d2", "d3", "out"]], "'nope', which the model does not have.*'d0'"),
         ([["d0"], ["d1", "d2", "d3"]], "out"),
         ([["d0", "d1"], ["d1", "d2", "d3", "out"]], "d1"),
         ([["d1", "d0"], ["d2", "d3", "out"]], "order"),
-        ("greedy", "greedy"),
+        ("greedy", "greedy.*'balanced', 'even'"),
     ],
-    ids=["unknown-layer", "left-out", "twice", "out-of-order", "unknown-name"],
+    ids=["unknown-unit", "left-out", "twice", "out-of-order", "unknown-name"],
 )
 def test_bad_partitions_name_the_problem(partition, message):
     par = Parallel("model_parallel", devices=2, partition=partition)
@@ -125,7 +337,7 @@ def test_bad_partitions_name_the_problem(partition, message):
         par.build(sequential, optimizer="sgd", loss=logits_loss())
 
 
-def test_more_stages_than_layers():
+def test_more_stages_than_units():
     par = Parallel("model_parallel", devices=4)
     with pytest.raises(ValueError, match=r"4 stages.*2 layers|2 layers.*4 stages"):
         par.build(
@@ -139,38 +351,42 @@ def test_bad_micro_batches(bad):
         Parallel("model_parallel", devices=2, micro_batches=bad)
 
 
-def test_shared_layers_are_refused_with_advice():
-    def shared():
-        inputs = keras.Input((4,))
-        dense = keras.layers.Dense(4, name="shared")
-        return keras.Model(inputs, dense(dense(inputs)))
+def test_a_model_fn_that_builds_a_different_model_the_second_time():
+    calls = []
 
-    with pytest.raises(ValueError, match="'shared' has no single input"):
-        Parallel("model_parallel", devices=2).build(shared, loss="mse")
+    def changing():
+        calls.append(1)
+        width = 16 if len(calls) == 1 else 32
+        return keras.Sequential([keras.Input((8,)), keras.layers.Dense(width), keras.layers.Dense(3)])
+
+    with pytest.raises(ValueError, match="model_fn built a different model the second time"):
+        Parallel("model_parallel", devices=2).build(changing, loss=logits_loss())
+
+    def growing():
+        calls.append(1)
+        extra = [keras.layers.Dense(8)] * (len(calls) % 2 == 0)
+        return keras.Sequential([keras.Input((8,)), keras.layers.Dense(8), *extra, keras.layers.Dense(3)])
+
+    calls.clear()
+    with pytest.raises(ValueError, match="model_fn built a different model the second time.*variables"):
+        Parallel("model_parallel", devices=2).build(growing, loss=logits_loss())
 
 
-def test_reported_loss_with_regularization_matches_single_under_micro_batches(data):
-    x, y = data
+def test_a_unit_larger_than_a_device_is_named_with_its_size():
+    par = Parallel("model_parallel", devices=2, device_memory="64KiB")
+    with pytest.raises(ValueError, match=r"unit 'big' needs .*KiB.*than a device's 64.00 KiB.*splitting one layer"):
+        par.build(big_among_small, optimizer="adam", loss="mse")
 
+
+def test_a_model_without_weights_at_build_is_refused():
+    with pytest.raises(ValueError, match="places the weights at build"):
+        Parallel("model_parallel", devices=2).build(lambda: keras.Sequential([keras.layers.Dense(2)]), loss="mse")
+
+
+def test_regularization_and_a_last_batch_smaller_than_micro_batches_match_single():
     def regularized():
         dense = [keras.layers.Dense(8, kernel_regularizer=keras.regularizers.L2(0.01), name=f"r{i}") for i in range(2)]
         return keras.Sequential([keras.Input((8,)), *dense, keras.layers.Dense(3, name="out")])
 
-    reference = build("single", regularized)
-    staged = build("model_parallel", regularized, devices=2, micro_batches=4)
-    staged.model.set_weights(reference.model.get_weights())
-    want = reference.fit(x, y, batch_size=64, epochs=2, verbose=0).history["loss"]
-    got = staged.fit(x, y, batch_size=64, epochs=2, verbose=0).history["loss"]
-    np.testing.assert_allclose(got, want, rtol=1e-4)
-    for a, b in zip(staged.model.get_weights(), reference.model.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-
-
-def test_layers_with_several_tensor_arguments_are_refused_with_advice():
-    def attention():
-        inputs = keras.Input((4, 8))
-        attended = keras.layers.MultiHeadAttention(2, 4, name="mha")(inputs, inputs)
-        return keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Flatten()(attended)))
-
-    with pytest.raises(ValueError, match="'mha'.*several tensor arguments.*custom layer"):
-        Parallel("model_parallel", devices=2).build(attention, loss="mse")
+    # 33 rows: the last batch has 1 row, so 2 of its 3 micro-batches are empty (and skipped)
+    assert_same_training(regularized, dense_data(33), micro_batches=(3,))

@@ -112,3 +112,36 @@ def test_resuming_from_storage_the_workers_do_not_share_fails_clearly(tmp_path):
     assert done.returncode != 0
     assert "the workers disagree on where to resume" in done.stdout
     assert "resumed although" not in done.stdout + done.stderr
+
+
+TUTORIAL = Path(__file__).parent / "scripts" / "multi_worker_tutorial.py"
+
+
+def test_tutorial_flow_survives_a_killed_worker_and_a_sigterm(tmp_path):
+    """TF's multi-worker tutorial (infinite shuffled dataset, steps_per_epoch, checkpoint_dir) on 2 workers: a SIGTERM
+    to one worker stops both at the same step with exit 143; a worker killed at the start of epoch 2 fails the launch
+    without a hang; each rerun resumes where the checkpoint says and both workers end with the uninterrupted weights."""
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    done = run_launch("-n", "2", str(TUTORIAL), str(reference))
+    assert done.returncode == 0, done.stdout + done.stderr
+    want = [np.load(reference / f"w{i}.npz") for i in range(2)]
+
+    out = tmp_path / "faulty"
+    out.mkdir()
+    stopped = run_launch("-n", "2", str(TUTORIAL), str(out), "--sigterm-at", "14")
+    assert stopped.returncode == 143, stopped.stdout + stopped.stderr
+    for worker in (0, 1):  # both stopped at the step after the signal, together
+        steps = [int(line.split()[-1]) for line in stopped.stdout.splitlines() if f"[worker {worker}] step" in line]
+        assert steps[-1] == 15, stopped.stdout
+    killed = run_launch("-n", "2", str(TUTORIAL), str(out), "--kill-at-epoch", "2")
+    assert killed.returncode != 0
+    assert "[worker 0] epoch 1 begins" in killed.stdout  # resumed mid epoch 1, then ran on to epoch 2
+    resumed = run_launch("-n", "2", str(TUTORIAL), str(out))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    epochs = [line for line in resumed.stdout.splitlines() if line.startswith("[worker 0] epoch")]
+    assert epochs == ["[worker 0] epoch 2 begins", "[worker 0] epoch 3 begins"]
+    for i in range(2):
+        got = np.load(out / f"w{i}.npz")
+        for key in want[i].files:
+            np.testing.assert_allclose(got[key], want[i][key], rtol=1e-5, atol=1e-5)

@@ -170,9 +170,17 @@ def test_missing_loss_and_unknown_names():
         par.build(small_mlp, loss="mse", metrics=["acuracy"])
 
 
-def test_model_without_weights_is_rejected():
-    with pytest.raises(ValueError, match=r"keras.Input"):
-        Parallel("single").build(lambda: keras.Sequential([keras.layers.Dense(2)]), loss="mse")
+def test_a_model_without_an_input_shape_is_built_at_its_first_batch(data_1001):
+    """As Keras builds it at the first batch of fit; model_parallel places weights at build, so it needs them then."""
+    x, y = data_1001
+    par = Parallel("mirrored", devices=2, seed=0)
+    model = par.build(lambda: keras.Sequential([keras.layers.Dense(3)]), loss=logits_loss())
+    with pytest.raises(RuntimeError, match="gets them at its first batch"):
+        par.save("unused")
+    par.fit(x, y, batch_size=64, verbose=0)
+    assert [tuple(w.shape) for w in model.weights] == [(8, 3), (3,)]
+    with pytest.raises(ValueError, match=r"strategy 'model_parallel' places the weights at build.*keras.Input"):
+        Parallel("model_parallel", devices=2).build(lambda: keras.Sequential([keras.layers.Dense(2)]), loss="mse")
 
 
 def test_bad_steps_per_execution_and_seed():
@@ -194,11 +202,3 @@ def test_a_plain_keras_mirrored_fit_after_paraml_still_works(data_1001):
         model.compile("sgd", logits_loss())
     history = model.fit(x, y, batch_size=66, epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"][0])
-
-
-def test_central_storage_refuses_batchnorm_by_name():
-    def with_bn():
-        return keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.BatchNormalization(name="bn")])
-
-    with pytest.raises(ValueError, match=r"cannot train '.*bn'.*mirrored"):
-        Parallel("central_storage", devices=2).build(with_bn, loss="mse")

@@ -235,15 +235,6 @@ def test_a_list_of_input_arrays_feeds_a_two_input_model(data_1001):
     assert set(history.history) == {"loss", "accuracy"}
 
 
-def test_multi_output_models_are_refused_at_build():
-    def two_heads():
-        inputs = keras.Input((4,))
-        return keras.Model(inputs, [keras.layers.Dense(1)(inputs), keras.layers.Dense(2)(inputs)])
-
-    with pytest.raises(ValueError, match="2 outputs; paraml trains single-output models"):
-        Parallel("single").build(two_heads, loss="mse")
-
-
 def test_infinite_and_empty_inputs_are_clear_errors(data_1001):
     x, y = data_1001
     par = make()

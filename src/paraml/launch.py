@@ -10,6 +10,11 @@ the others only notice if they are inside a collective (TF aborts them after
 waits forever. So as soon as one worker fails, the launcher terminates every
 other worker's whole process group, escalating to SIGKILL after a grace period.
 
+With ``max_restarts=N`` (``--max-restarts N``) the launcher then starts every
+worker again, on fresh ports with a fresh ``TF_CONFIG`` and ``PARAML_RESTART``
+set to the restart count, up to N times; a script that trains with
+``fit(..., checkpoint_dir=...)`` resumes from its last checkpoint.
+
 POSIX only (process groups, ``killpg``). This module does not import TensorFlow.
 
 Example:
@@ -49,6 +54,7 @@ _POLL_INTERVAL = 0.05  # seconds between supervision polls
 # Seconds to wait for output to drain after the workers are gone.
 _READER_JOIN_TIMEOUT = 5.0
 _PREFIX = "[paraml launch]"
+_RESTART_ENV = "PARAML_RESTART"  # 0 on the first run, k on the k-th restart
 
 
 class PortUnavailableError(OSError):
@@ -209,10 +215,19 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise _Terminated()
 
 
-def _validate(script: str, args: Sequence[str], num_workers: int, port: int | None, stop_timeout: float) -> list[int]:
+def _validate(
+    script: str,
+    args: Sequence[str],
+    num_workers: int,
+    port: int | None,
+    stop_timeout: float,
+    max_restarts: int = 0,
+) -> list[int]:
     """Check the launch's input before anything starts; return the ports the workers will use."""
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"the number of workers must be an integer >= 1, got {num_workers!r}")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"the number of restarts (--max-restarts) must be an integer >= 0, got {max_restarts!r}")
     if stop_timeout < 0:
         raise ValueError(f"stop_timeout must be >= 0 seconds, got {stop_timeout!r}")
     if isinstance(args, str):
@@ -224,6 +239,75 @@ def _validate(script: str, args: Sequence[str], num_workers: int, port: int | No
     return _check_ports_free(port, num_workers) if port is not None else find_free_ports(num_workers, _HOST)
 
 
+def _start_workers(
+    command: Sequence[str],
+    base_env: Mapping[str, str],
+    ports: Sequence[int],
+    restart: int,
+    output: _Output,
+    procs: list[subprocess.Popen[bytes]],
+    readers: list[threading.Thread],
+) -> None:
+    """Start one worker per port (appending to ``procs`` as each starts, so a signal mid-way leaves none unseen)."""
+    addresses = [f"{_HOST}:{p}" for p in ports]
+    for index in range(len(ports)):
+        worker_env = dict(base_env)
+        worker_env.update(
+            TF_CONFIG=make_tf_config(addresses, index),
+            PARAML_WORKER_INDEX=str(index),
+            PARAML_NUM_WORKERS=str(len(ports)),
+            PYTHONUNBUFFERED="1",
+        )
+        worker_env[_RESTART_ENV] = str(restart)
+        proc = subprocess.Popen(
+            command,
+            env=worker_env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            # Own session = own process group: killpg reaches the worker's children
+            # too, and a terminal's Ctrl-C reaches only the launcher, which forwards it.
+            start_new_session=True,
+        )
+        procs.append(proc)
+        for pipe in (proc.stdout, proc.stderr):
+            assert pipe is not None
+            reader = threading.Thread(
+                target=_pump,
+                args=(pipe, f"[worker {index}] ", output),
+                name=f"paraml-launch-worker{index}",
+                daemon=True,
+            )
+            reader.start()
+            readers.append(reader)
+
+
+def _supervise(procs: Sequence[subprocess.Popen[bytes]], stop_timeout: float, output: _Output) -> tuple[int, int]:
+    """Wait until every worker succeeded (-> ``(-1, 0)``) or one failed (-> ``(index, code)``, the others stopped)."""
+    while True:
+        codes = [_exit_code(p) for p in procs]
+        for index, code in enumerate(codes):
+            if code is not None and code != 0:
+                others = "; stopping the others" if len(procs) > 1 else ""
+                output.line(f"{_PREFIX} worker {index} {_describe_exit(code)}{others}")
+                _stop(procs, signal.SIGTERM, stop_timeout, output)
+                return index, code
+        if all(code == 0 for code in codes):
+            return -1, 0
+        time.sleep(_POLL_INTERVAL)
+
+
+def _reap(procs: list[subprocess.Popen[bytes]], readers: list[threading.Thread]) -> None:
+    """SIGKILL whatever is left of the workers' groups, reap them, drain their output; empty both lists."""
+    _signal_groups(procs, signal.SIGKILL)
+    for proc in procs:
+        proc.wait()
+    for reader in readers:
+        reader.join(_READER_JOIN_TIMEOUT)
+    procs.clear()
+    readers.clear()
+
+
 def launch(
     script: str,
     args: Sequence[str] = (),
@@ -231,47 +315,59 @@ def launch(
     *,
     port: int | None = None,
     stop_timeout: float = 10.0,
+    max_restarts: int = 0,
     python: str = sys.executable,
     env: Mapping[str, str] | None = None,
     out: TextIO | None = None,
+    err: TextIO | None = None,
 ) -> int:
     """Run ``num_workers`` copies of ``script`` as a local multi-worker cluster.
 
     Each worker runs ``python -u script *args`` in its own process group, with the
     launcher's environment (or ``env``) plus ``TF_CONFIG`` (a worker-only cluster on
-    127.0.0.1), ``PARAML_WORKER_INDEX``, ``PARAML_NUM_WORKERS`` and
-    ``PYTHONUNBUFFERED=1``. Every stdout/stderr line is written to ``out`` as
-    ``[worker i] line``.
+    127.0.0.1), ``PARAML_WORKER_INDEX``, ``PARAML_NUM_WORKERS``, ``PARAML_RESTART``
+    (0 on the first run, k on the k-th restart) and ``PYTHONUNBUFFERED=1``. Every
+    stdout/stderr line is written to ``out`` as ``[worker i] line``.
 
     When a worker fails (non-zero exit or killed by a signal), the others are sent
     SIGTERM, given ``stop_timeout`` seconds, then SIGKILLed: they may be stuck
-    outside TensorFlow, where nothing else would ever stop them. Ctrl-C (SIGINT)
-    and SIGTERM sent to the launcher are forwarded the same way. No worker is left
-    running when this function returns or raises.
+    outside TensorFlow, where nothing else would ever stop them. Then, if fewer
+    than ``max_restarts`` restarts were made, every worker is started again on
+    fresh ports (the same range if ``port`` is given) and a line
+    ``paraml launch: worker 1 was killed by SIGKILL (exit code 137); restart 1 of 2``
+    is written to ``err``. A script resumes only if it saves and restores its own
+    state (``fit(..., checkpoint_dir=...)``); otherwise a restart starts it over.
+
+    Ctrl-C (SIGINT) and SIGTERM sent to the launcher are forwarded the same way
+    and end the launch: they never cause a restart. No worker is left running
+    when this function returns or raises.
 
     Args:
         script: Path of the Python script to run.
         args: Arguments passed to the script.
         num_workers: Number of worker processes (>= 1).
         port: First port of a contiguous range ``port..port+num_workers-1`` to use;
-            by default free ports are picked automatically.
+            by default free ports are picked automatically (fresh ones for each restart).
         stop_timeout: Grace period in seconds between SIGTERM/SIGINT and SIGKILL.
+        max_restarts: How many times to start all workers again after a failure (>= 0; 0: never).
         python: Python interpreter to run the script with.
         env: Base environment for the workers (default: ``os.environ``).
         out: Where to write the workers' prefixed output (default: ``sys.stdout``
             at call time, so that redirected/captured stdout is honoured).
+        err: Where to write the restart lines (default: ``sys.stderr`` at call time).
 
     Returns:
-        0 if every worker exited with 0; otherwise the exit code of the first worker
-        seen to fail (128+signum if it was killed by a signal); 130 after Ctrl-C,
-        143 after SIGTERM.
+        0 if every worker of a run exited with 0; otherwise the exit code of the first
+        worker seen to fail in the last run (128+signum if it was killed by a signal);
+        130 after Ctrl-C, 143 after SIGTERM.
 
     Raises:
-        ValueError: ``num_workers < 1``, ``stop_timeout < 0`` or a port range out of
-            1..65535.
+        ValueError: ``num_workers < 1``, ``max_restarts < 0``, ``stop_timeout < 0`` or
+            a port range out of 1..65535.
         TypeError: ``args`` is a single string instead of a sequence of strings.
         FileNotFoundError: ``script`` does not exist.
-        PortUnavailableError: A port of the ``port`` range is already in use.
+        PortUnavailableError: A port of the ``port`` range is already in use (checked
+            again before each restart).
 
     Example:
         >>> launch("train.py", ["--epochs", "1"], num_workers=2)  # doctest: +SKIP
@@ -279,13 +375,13 @@ def launch(
         [worker 1] epoch 1 loss 0.31
         0
     """
-    ports = _validate(script, args, num_workers, port, stop_timeout)
-    addresses = [f"{_HOST}:{p}" for p in ports]
+    ports = _validate(script, args, num_workers, port, stop_timeout, max_restarts)
     base_env = dict(os.environ if env is None else env)
     command = [python, "-u", script, *args]
     output = _Output(sys.stdout if out is None else out)
+    errors = _Output(sys.stderr if err is None else err)
 
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[subprocess.Popen[bytes]] = []  # the current run's workers
     readers: list[threading.Thread] = []
     previous_sigterm = None
     installed_sigterm = False
@@ -295,48 +391,23 @@ def launch(
         if threading.current_thread() is threading.main_thread():
             previous_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
             installed_sigterm = True
-        for index in range(num_workers):
-            worker_env = dict(base_env)
-            worker_env.update(
-                TF_CONFIG=make_tf_config(addresses, index),
-                PARAML_WORKER_INDEX=str(index),
-                PARAML_NUM_WORKERS=str(num_workers),
-                PYTHONUNBUFFERED="1",
-            )
-            proc = subprocess.Popen(
-                command,
-                env=worker_env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                # Own session = own process group: killpg reaches the worker's children
-                # too, and a terminal's Ctrl-C reaches only the launcher, which forwards it.
-                start_new_session=True,
-            )
-            procs.append(proc)
-            for pipe in (proc.stdout, proc.stderr):
-                assert pipe is not None
-                reader = threading.Thread(
-                    target=_pump,
-                    args=(pipe, f"[worker {index}] ", output),
-                    name=f"paraml-launch-worker{index}",
-                    daemon=True,
-                )
-                reader.start()
-                readers.append(reader)
-
-        # --- supervision ---
+        restart = 0
         while True:
-            codes = [_exit_code(p) for p in procs]
-            for index, code in enumerate(codes):
-                if code is not None and code != 0:
-                    others = "; stopping the others" if num_workers > 1 else ""
-                    output.line(f"{_PREFIX} worker {index} {_describe_exit(code)}{others}")
-                    _stop(procs, signal.SIGTERM, stop_timeout, output)
-                    return code
-            if all(code == 0 for code in codes):
+            _start_workers(command, base_env, ports, restart, output, procs, readers)
+            index, code = _supervise(procs, stop_timeout, output)
+            _reap(procs, readers)  # every process of this run is gone before the next starts
+            if code == 0:
                 return 0
-            time.sleep(_POLL_INTERVAL)
+            if restart >= max_restarts:
+                if max_restarts:
+                    errors.line(
+                        f"paraml launch: worker {index} {_describe_exit(code)}; no restarts left ({max_restarts} used)"
+                    )
+                return code
+            restart += 1
+            errors.line(f"paraml launch: worker {index} {_describe_exit(code)}; restart {restart} of {max_restarts}")
+            # Fresh ports: the dead run's may linger or be taken; a given range is checked again.
+            ports = find_free_ports(num_workers, _HOST) if port is None else _check_ports_free(port, num_workers)
     except (KeyboardInterrupt, _Terminated) as exc:
         sig = signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM
         output.line(f"{_PREFIX} received {sig.name}; stopping the workers")
@@ -351,10 +422,7 @@ def launch(
                 signal.SIGTERM,
                 signal.SIG_DFL if previous_sigterm is None else previous_sigterm,
             )
-        for proc in procs:
-            proc.wait()
-        for reader in readers:
-            reader.join(_READER_JOIN_TIMEOUT)
+        _reap(procs, readers)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -387,6 +455,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=10.0,
         help="seconds to wait after SIGTERM/SIGINT before killing workers (default: 10)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="when a worker dies, stop the others and start all workers again (fresh ports, PARAML_RESTART=k), up "
+        "to N times; training resumes only from fit(checkpoint_dir=...), otherwise it starts over (default: 0)",
     )
     parser.add_argument(
         "--isolate-network",
@@ -441,6 +517,7 @@ def _run_isolated(prefix: list[str], ns: argparse.Namespace) -> int:
     stops its workers with their grace period as it would without isolation.
     """
     argv = ["-n", str(ns.num_workers), "--stop-timeout", str(ns.stop_timeout), "--no-isolate-network"]
+    argv += ["--max-restarts", str(getattr(ns, "max_restarts", 0))]
     argv += ["--port", str(ns.port)] if ns.port is not None else []
     command = [*prefix, sys.executable, "-u", "-m", "paraml.launch", *argv, ns.script, *ns.script_args]
     main_thread = threading.current_thread() is threading.main_thread()
@@ -501,7 +578,8 @@ def run_from_args(ns: argparse.Namespace) -> int:
         if os.environ.get(_NETNS_ENV) == "1":
             bring_loopback_up()
         elif getattr(ns, "isolate_network", False):
-            _validate(ns.script, ns.script_args, ns.num_workers, ns.port, ns.stop_timeout)  # errors come first
+            max_restarts = getattr(ns, "max_restarts", 0)
+            _validate(ns.script, ns.script_args, ns.num_workers, ns.port, ns.stop_timeout, max_restarts)  # errors first
             prefix = isolation_prefix()
             if prefix is not None:
                 return _run_isolated(prefix, ns)
@@ -516,6 +594,7 @@ def run_from_args(ns: argparse.Namespace) -> int:
             ns.num_workers,
             port=ns.port,
             stop_timeout=ns.stop_timeout,
+            max_restarts=getattr(ns, "max_restarts", 0),
         )
     except (ValueError, OSError) as exc:  # FileNotFoundError is an OSError
         message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)

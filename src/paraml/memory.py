@@ -14,10 +14,11 @@ What :func:`estimate_memory` counts (all exact except activations):
   scalar bookkeeping variables (``iteration``, ``learning_rate``, ...) are
   ignored;
 * **activations**: the forward activations kept for the backward pass,
-  estimated as the sum over layers of the bytes of each layer's output with
-  the batch dimension set to ``batch_size``.  It is not multiplied by any
-  factor: temporary buffers inside a layer and the backward pass's own
-  intermediates are not counted.
+  estimated as the sum over the model's units (its layers, nested models
+  descended into) of the bytes of each unit's outputs, measured by calling the
+  model once on a small batch (:func:`observe_units`) and scaled to
+  ``batch_size`` rows.  It is not multiplied by any factor: temporary buffers
+  inside a layer and the backward pass's own intermediates are not counted.
 
 Example:
     >>> parse_size("1.5 KiB"), format_bytes(1536)
@@ -37,12 +38,18 @@ if TYPE_CHECKING:  # pragma: no cover
     from .partition import LayerCost
 
 __all__ = [
+    "PROBE_ROWS",
     "MemoryEstimate",
+    "Observation",
+    "Unit",
     "estimate_memory",
     "format_bytes",
     "layer_costs",
+    "model_units",
+    "observe_units",
     "optimizer_slots_per_param",
     "parse_size",
+    "probe_inputs",
 ]
 
 # ----------------------------------------------------------------------------- sizes
@@ -432,7 +439,7 @@ def _check_batch_size(batch_size: int) -> None:
 
 
 def _output_bytes(layer: Any, batch_size: int) -> tuple[int | None, bool]:
-    """(bytes of the layer's output(s) for ``batch_size``, had unknown dims); None if unknown."""
+    """(bytes of the layer's symbolic output(s) for ``batch_size``, had unknown dims); None if unknown."""
     import keras
 
     try:
@@ -458,34 +465,278 @@ def _output_bytes(layer: Any, batch_size: int) -> tuple[int | None, bool]:
     return total, unknown_dims
 
 
-def _layer_table(model: Any, batch_size: int) -> tuple[list[tuple[str, int, int]], list[str]]:
+# ------------------------------------------------------------------ observed units
+
+#: Rows of the batch a model is called on to observe its units (:func:`observe_units`).
+PROBE_ROWS = 2
+#: Sizes tried, in order, for the non-batch dimensions a model leaves unknown (a sequence length, an image side).
+PROBE_DIMS = (8, 1, 32)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One unit of computation of a model: a layer that is not itself a model, as one call of the model ran it.
+
+    Attributes:
+        name: A name unique within the model (the layer's name, prefixed by its parent model's if it is not unique).
+        layer: The ``keras.layers.Layer``.
+        param_bytes: Bytes of the layer's variables (trainable or not), counted once however often it is called.
+        output_bytes: Bytes of the layer's outputs over all its calls in the observed call, for
+            ``Observation.rows`` rows (0 when the layer was not called, or the call could not be observed).
+        calls: How many times the observed call of the model called the layer.
+    """
+
+    name: str
+    layer: Any
+    param_bytes: int
+    output_bytes: int
+    calls: int
+
+    def activation_bytes(self, rows: int, batch_size: int) -> int:
+        """``output_bytes`` (measured for ``rows`` rows) scaled to ``batch_size`` rows."""
+        return round(self.output_bytes * batch_size / rows) if rows else 0
+
+
+@dataclass(frozen=True)
+class Observation:
+    """The units of a model in the order one call of the model ran them (see :func:`observe_units`).
+
+    Attributes:
+        units: Every unit: first those the call ran, in the order of their first call, then those it never called.
+        rows: Rows of the batch the model was called on.
+        problem: Why the model could not be called (then ``units`` are in declaration order), or ``""``.
+        probe_dims: The size given to non-batch dimensions the model leaves unknown, or None if there were none.
+    """
+
+    units: tuple[Unit, ...]
+    rows: int
+    problem: str = ""
+    probe_dims: int | None = None
+
+
+def model_units(model: Any) -> list[tuple[str, Any]]:
+    """``(unique name, layer)`` of every unit of ``model``, in declaration order.
+
+    A unit is a layer that is not a ``keras.Model``: nested models (a backbone inside a task, a Sequential inside a
+    functional model) are descended into, so their layers are units of their own. Input layers carry no computation
+    and are left out; a layer reachable twice (a tied embedding used by a backbone and by its task) is listed once.
+
+    Example:
+        >>> import keras
+        >>> inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="a")], name="inner")
+        >>> outer = keras.Sequential([keras.Input((4,)), inner, keras.layers.Dense(2, name="b")])
+        >>> [name for name, _ in model_units(outer)]
+        ['a', 'b']
+    """
     import keras
 
-    rows = []
-    no_output: list[str] = []
-    unknown: list[str] = []
-    for layer in model.layers:
-        if isinstance(layer, keras.layers.InputLayer):
+    found: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+
+    def walk(parent: Any, prefix: str) -> None:
+        for layer in parent.layers:
+            if id(layer) in seen or isinstance(layer, keras.layers.InputLayer):
+                continue
+            seen.add(id(layer))
+            if isinstance(layer, keras.Model):
+                walk(layer, f"{prefix}{layer.name}/")
+            else:
+                found.append((f"{prefix}{layer.name}", layer))
+
+    walk(model, "")
+    short = [path.rsplit("/", 1)[-1] for path, _ in found]
+    counts: dict[str, int] = {}
+    for name in short:
+        counts[name] = counts.get(name, 0) + 1
+    names, used = [], set()
+    for (path, _), name in zip(found, short):
+        unique = name if counts[name] == 1 else path
+        candidate, k = unique, 1
+        while candidate in used:
+            k += 1
+            candidate = f"{unique}#{k}"
+        used.add(candidate)
+        names.append(candidate)
+    return [(name, layer) for name, (_, layer) in zip(names, found)]
+
+
+def _shape_bytes(value: Any) -> int:
+    total = 0
+    for tensor in _flatten(value):
+        shape, dtype = getattr(tensor, "shape", None), getattr(tensor, "dtype", None)
+        if shape is None or dtype is None:
             continue
-        params = sum(_nbytes(v) for v in _unique(layer.weights))
-        activation, had_unknown = _output_bytes(layer, batch_size)
-        if activation is None:
-            no_output.append(layer.name)
-            activation = 0
-        if had_unknown:
-            unknown.append(layer.name)
-        rows.append((layer.name, params, activation))
-    notes = []
-    if no_output:
-        notes.append(
-            "activations unknown (counted as 0) for layers without a symbolic output, "
-            "as in subclassed models: " + ", ".join(no_output[:8]) + (" ..." if len(no_output) > 8 else "")
+        elements = 1
+        for dim in shape:
+            elements *= int(dim) if dim is not None else 1
+        total += elements * _dtype_size(dtype)
+    return total
+
+
+def _flatten(value: Any) -> list[Any]:
+    import keras
+
+    return [v for v in keras.tree.flatten(value) if v is not None]
+
+
+def probe_inputs(model: Any, rows: int = PROBE_ROWS, unknown: int = PROBE_DIMS[0]) -> tuple[Any, bool]:
+    """A batch of ones of ``rows`` rows that ``model`` accepts, and whether some non-batch dimension was unknown.
+
+    Functional and Sequential models give their inputs' shapes, dtypes and names (several inputs as a dict keyed by
+    input name); other models the input shape they were built with (``get_build_config()``), as float32. Unknown
+    non-batch dimensions get the size ``unknown``.
+
+    Raises:
+        ValueError: for a model that tells neither its inputs nor the shape it was built with.
+    """
+    import numpy as np
+
+    had_unknown = False
+
+    def ones(shape: Any, dtype: Any = "float32") -> Any:
+        nonlocal had_unknown
+        dims = []
+        for axis, dim in enumerate(shape):
+            if axis == 0:
+                dims.append(rows)
+            elif dim is None:
+                had_unknown = True
+                dims.append(unknown)
+            else:
+                dims.append(int(dim))
+        return np.ones(dims, dtype=str(getattr(dtype, "name", dtype)))
+
+    inputs = None
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):
+        inputs = None
+    if inputs:
+        if len(inputs) == 1:
+            return ones(inputs[0].shape, inputs[0].dtype), had_unknown
+        return {t.name: ones(t.shape, t.dtype) for t in inputs}, had_unknown
+    shape = (model.get_build_config() or {}).get("input_shape")
+    if shape is None:
+        raise ValueError(
+            f"cannot call model {model.name!r} on a probe batch: it has no symbolic inputs and no recorded input "
+            "shape (build it with model.build(input_shape) or by calling it on a batch)"
         )
-    if unknown:
+
+    def is_shape(s: Any) -> bool:
+        return isinstance(s, (tuple, list)) and all(d is None or isinstance(d, int) for d in s)
+
+    if is_shape(shape):
+        return ones(shape), had_unknown
+    if isinstance(shape, dict):
+        return {k: ones(s) for k, s in shape.items()}, had_unknown
+    return [ones(s) for s in shape], had_unknown
+
+
+class _CallRecorder:
+    """Wraps the ``call`` of every unit (an instance attribute, removed again by :meth:`restore`) to see it run."""
+
+    def __init__(self, units: list[tuple[str, Any]]) -> None:
+        self.units = units
+        self.order: list[int] = []
+        self.calls = [0] * len(units)
+        self.output_bytes = [0] * len(units)
+        self.saved: list[tuple[Any, Any]] = []
+        for index, (_, layer) in enumerate(units):
+            own = vars(layer).get("call")  # a call already wrapped (a staged model): put it back afterwards
+            self.saved.append((layer, own))
+            layer.call = self._wrap(index, layer.call)
+
+    def _wrap(self, index: int, original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.calls[index] == 0:
+                self.order.append(index)
+            self.calls[index] += 1
+            outputs = original(*args, **kwargs)
+            self.output_bytes[index] += _shape_bytes(outputs)
+            return outputs
+
+        return call
+
+    def restore(self) -> None:
+        for layer, own in self.saved:
+            if own is None:
+                del layer.call
+            else:
+                layer.call = own
+
+
+def observe_units(model: Any, *, rows: int = PROBE_ROWS) -> Observation:
+    """Call ``model`` once on a small batch of ones and record which units ran, in which order, with what outputs.
+
+    The model runs its own ``call`` (``training=False``), so whatever Keras can run is observed: layers with several
+    tensor and keyword arguments, keras ops between layers, nested models, subclassed models. Each unit's ``call`` is
+    wrapped for the duration of that one call only. When the model cannot be called on a probe batch (see
+    :func:`probe_inputs`), the units come in declaration order with no outputs, and ``problem`` says why.
+
+    Example:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="d")])
+        >>> obs = observe_units(model)
+        >>> [(u.name, u.param_bytes, u.activation_bytes(obs.rows, batch_size=5)) for u in obs.units]
+        [('d', 60, 60)]
+    """
+    units = model_units(model)
+    params = [sum(_nbytes(v) for v in _unique(layer.weights)) for _, layer in units]
+    problems: list[str] = []
+    for unknown in PROBE_DIMS:
+        try:
+            x, had_unknown = probe_inputs(model, rows, unknown)
+        except ValueError as error:
+            problems.append(str(error))
+            break
+        recorder = _CallRecorder(units)
+        try:
+            model(x, training=False)
+        except Exception as error:  # any failure of the user's model on a batch of ones: fall back, say why
+            problems.append(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+            if not had_unknown:
+                break  # other sizes for unknown dimensions cannot help
+            continue
+        finally:
+            recorder.restore()
+        order = recorder.order + [i for i in range(len(units)) if recorder.calls[i] == 0]
+        observed = tuple(
+            Unit(units[i][0], units[i][1], params[i], recorder.output_bytes[i], recorder.calls[i]) for i in order
+        )
+        return Observation(observed, rows, "", unknown if had_unknown else None)
+    problem = "; ".join(dict.fromkeys(problems))
+    return Observation(
+        tuple(Unit(name, layer, p, 0, 0) for (name, layer), p in zip(units, params)),
+        rows,
+        f"model {model.name!r} could not be called on a probe batch ({problem})",
+    )
+
+
+def _layer_table(model: Any, batch_size: int) -> tuple[list[tuple[str, int, int]], list[str]]:
+    """One row ``(unit, param bytes, activation bytes)`` per unit, measured from one observed call of the model."""
+    observation = observe_units(model)
+    notes = []
+    if observation.problem:
+        rows = []
+        no_output = []
+        for unit in observation.units:
+            activation, _ = _output_bytes(unit.layer, batch_size)
+            if activation is None:
+                no_output.append(unit.name)
+            rows.append((unit.name, unit.param_bytes, activation or 0))
+        notes.append(f"{observation.problem}: units in declaration order")
+        if no_output:
+            notes.append(
+                "activations unknown (counted as 0) for: "
+                + ", ".join(no_output[:8])
+                + (" ..." if len(no_output) > 8 else "")
+            )
+        return rows, notes
+    rows = [(u.name, u.param_bytes, u.activation_bytes(observation.rows, batch_size)) for u in observation.units]
+    if observation.probe_dims is not None:
         notes.append(
-            "non-batch dimensions of unknown size were counted as 1 for: "
-            + ", ".join(unknown[:8])
-            + (" ..." if len(unknown) > 8 else "")
+            f"activations measured with the model's unknown non-batch dimensions (sequence length, image size) set "
+            f"to {observation.probe_dims}"
         )
     return rows, notes
 
@@ -550,11 +801,12 @@ def estimate_memory(
 
 
 def layer_costs(model: Any | Callable[[], Any], *, batch_size: int) -> list[LayerCost]:
-    """Per-layer :class:`paraml.partition.LayerCost` in ``model.layers`` order.
+    """Per-unit :class:`paraml.partition.LayerCost`, in the order one call of the model runs its units.
 
-    Input layers are skipped.  ``param_bytes`` counts all of a layer's variables
-    (trainable and not); ``activation_bytes`` is its output for ``batch_size``
-    (0 when the layer has no symbolic output, as in subclassed models).
+    The units are those of :func:`model_units` (nested models are descended into; a layer called twice is one
+    unit), ordered and measured by :func:`observe_units`. ``param_bytes`` counts all of a unit's variables
+    (trainable and not) once; ``activation_bytes`` is the bytes of its outputs over all its calls, scaled to
+    ``batch_size`` rows.
 
     Example:
         >>> import keras

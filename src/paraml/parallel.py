@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -15,16 +17,17 @@ from .auto import AutoDecision, decide
 from .backends.base import Backend
 from .checkpoint import CheckpointState, latest_checkpoint, restore_checkpoint, save_checkpoint
 from .cluster import parse_tf_config
-from .data import GlobalBatches, global_batches
+from .data import GlobalBatches, global_batches, split_validation
 from .devices import device_memory, resolve_devices
 from .memory import estimate_memory, parse_size
 from .partition import PartitionPlan
-from .training import Trainer, make_optimizer, resolve_loss, resolve_metrics
+from .preemption import PreemptionGuard
+from .training import Trainer, check_compile_names, make_optimizer, zeros_like_spec
 
 __all__ = ["Parallel"]
 
 #: Options every backend accepts; the backend's own ``option_names`` add to these.
-COMMON_OPTIONS = ("seed", "steps_per_execution")
+COMMON_OPTIONS = ("seed", "steps_per_execution", "jit_compile")
 
 Verbose = int | str | bool
 
@@ -54,8 +57,10 @@ class Parallel:
     means the first N devices; a sequence names them (``["GPU:0", "GPU:1"]``).
 
     Options: ``seed`` (initial weights and shuffling; the same seed gives the same weights on every backend),
-    ``steps_per_execution`` (steps run per ``tf.function`` call, for small models), and each backend's own (for
-    example ``parameter_device`` for ``central_storage``).
+    ``steps_per_execution`` (steps run per ``tf.function`` call, for small models), ``jit_compile`` (``True``:
+    compile each replica's forward pass, loss and gradients with XLA; ``"auto"``: where Keras would, on GPUs, and
+    the backend allows it; ``False``, the default: never; :meth:`explain` says what was chosen), and each backend's
+    own (for example ``parameter_device`` for ``central_storage``).
 
     >>> import numpy as np, keras
     >>> from paraml import Parallel
@@ -78,6 +83,7 @@ class Parallel:
         *,
         seed: int | None = None,
         steps_per_execution: int = 1,
+        jit_compile: bool | str = False,
         **options: Any,
     ) -> None:
         option_names = AUTO_OPTIONS if strategy == "auto" else backends.get_backend(strategy).option_names
@@ -89,9 +95,15 @@ class Parallel:
             raise ValueError(f"steps_per_execution must be a positive int, got {steps_per_execution!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
+        if jit_compile not in (True, False, "auto"):
+            raise ValueError(f"jit_compile must be True, False or 'auto', got {jit_compile!r}")
         self.seed = seed
         self.steps_per_execution = steps_per_execution
+        self.jit_compile = jit_compile
+        self._xla_reason = "jit_compile=False: no XLA"
         self._trainer: Trainer | None = None
+        self._model: keras.Model | None = None
+        self._pending_compile: dict[str, Any] | None = None
         self._epochs_done = 0
         self._backend: Backend | None = None
         self._decision: AutoDecision | None = None
@@ -133,10 +145,12 @@ class Parallel:
     def explain(self) -> str:
         """Why this strategy: for ``"auto"``, the rule's decision with its numbers; otherwise, that it was asked for."""
         if self._decision is not None:
-            return self._decision.explain()
-        if self._backend is None:
+            chosen = self._decision.explain()
+        elif self._backend is None:
             return "Parallel('auto') has not chosen yet: it decides at build(), when it sees the model"
-        return f"strategy {self.strategy!r} was chosen by the caller"
+        else:
+            chosen = f"strategy {self.strategy!r} was chosen by the caller"
+        return chosen + "\n" + self._xla_reason
 
     def _choose(self, model_fn: Callable[[], keras.Model], optimizer: Any) -> None:
         """Resolve ``"auto"``: measure the model, apply :func:`paraml.auto.decide`, create the chosen backend."""
@@ -179,7 +193,9 @@ class Parallel:
     @property
     def model(self) -> keras.Model:
         """The model built by :meth:`build`."""
-        return self._require_trainer("model").model
+        if self._model is None:
+            raise RuntimeError("model needs a model: call par.build(model_fn, optimizer=..., loss=...) first")
+        return self._model
 
     @property
     def plan(self) -> PartitionPlan | None:
@@ -188,12 +204,22 @@ class Parallel:
 
     def describe(self) -> str:
         """A readable description of the backend: its devices and, for ``model_parallel``, the stage table."""
-        return self.backend.describe()
+        text = self.backend.describe()
+        return text if self.jit_compile is False else text + "\n" + self._xla_reason
 
     def _require_trainer(self, action: str) -> Trainer:
+        if self._trainer is None and self._pending_compile is not None:
+            raise RuntimeError(
+                f"{action} needs the model's weights: this subclassed model gets them at its first batch; call "
+                "fit, evaluate or predict first (or build it inside model_fn)"
+            )
         if self._trainer is None:
             raise RuntimeError(f"{action} needs a model: call par.build(model_fn, optimizer=..., loss=...) first")
         return self._trainer
+
+    def _require_model(self, action: str) -> None:
+        if self._model is None:
+            raise RuntimeError(f"{action} needs a model: call par.build(model_fn, optimizer=..., loss=...) first")
 
     def __repr__(self) -> str:
         return f"Parallel({self.strategy!r}, devices={list(self.devices)!r})"
@@ -204,22 +230,47 @@ class Parallel:
         model_fn: Callable[[], keras.Model],
         optimizer: Any = "rmsprop",
         loss: Any = None,
-        metrics: Sequence[Any] | None = None,
+        metrics: Any = None,
+        *,
+        loss_weights: Any = None,
+        weighted_metrics: Any = None,
+        auto_scale_loss: bool = True,
+        **compile_options: Any,
     ) -> keras.Model:
-        """Create the model with ``model_fn()`` where the backend places it, and compile it.
+        """Create the model with ``model_fn()`` where the backend places it, and compile it as ``model.compile`` does.
 
-        ``model_fn`` takes no arguments and returns a built ``keras.Model`` (start it with ``keras.Input``).
-        ``optimizer``, ``loss`` and ``metrics`` take what ``keras.Model.compile`` takes.
+        ``model_fn`` takes no arguments and returns a built ``keras.Model``: Sequential or functional (start it with
+        ``keras.Input``), or subclassed (call ``model.build(input_shape)`` or call it on a batch inside
+        ``model_fn``). ``optimizer``, ``loss``, ``metrics``, ``loss_weights``, ``weighted_metrics`` and
+        ``auto_scale_loss`` take what ``keras.Model.compile`` takes, nested per output for multi-output models.
+        ``steps_per_execution`` and ``jit_compile`` are options of :class:`Parallel`; ``run_eagerly`` is not
+        supported (paraml's loop is always compiled).
         """
+        for name in compile_options:
+            if name in ("steps_per_execution", "jit_compile"):
+                raise TypeError(f"{name} is an option of Parallel, not of build: Parallel(..., {name}=...)")
+            if name == "run_eagerly":
+                raise TypeError(
+                    "run_eagerly is not supported: paraml's loop runs in tf.function on every backend; to debug a "
+                    "model eagerly, use plain keras model.compile(run_eagerly=True).fit(...)"
+                )
+            raise TypeError(
+                f"build() got an unexpected keyword argument {name!r}; valid: optimizer, loss, metrics, "
+                "loss_weights, weighted_metrics, auto_scale_loss"
+            )
         if not callable(model_fn) or isinstance(model_fn, keras.layers.Layer):
             raise TypeError(
                 f"model_fn must be a zero-argument function that returns a keras.Model, got {model_fn!r}: pass the "
                 "function that builds the model (not the model), so its variables are created where the backend "
                 "places them"
             )
+        if loss is None:
+            raise ValueError("loss is required, e.g. loss='sparse_categorical_crossentropy' (or one per output)")
+        check_compile_names(loss, metrics, weighted_metrics)
         if isinstance(metrics, str):
             metrics = [metrics]
-        loss_fn, loss_name = resolve_loss(loss)
+        if isinstance(weighted_metrics, str):
+            weighted_metrics = [weighted_metrics]
         if self._backend is None:
             self._choose(model_fn, optimizer)
         if self.seed is not None:
@@ -227,40 +278,105 @@ class Parallel:
         model = self.backend.build_model(model_fn, optimizer)
         if not isinstance(model, keras.Model):
             raise TypeError(f"model_fn must return a keras.Model, it returned {type(model).__name__}")
-        if not model.built or not model.weights:
+        compile_args = {
+            "optimizer": optimizer,
+            "loss": loss,
+            "loss_weights": loss_weights,
+            "metrics": metrics,
+            "weighted_metrics": weighted_metrics,
+            "auto_scale_loss": auto_scale_loss,
+        }
+        self._model, self._trainer = model, None
+        if model.weights:
+            self._compile(compile_args)
+        elif not self.backend.builds_on_first_batch:
             raise ValueError(
-                "model_fn returned a model without weights: give it an input shape (start it with keras.Input(...)) "
-                "so its variables are created where the backend places them"
+                f"model_fn returned a model without weights; strategy {self.strategy!r} places the weights at "
+                "build, so it needs them now: start a functional model with keras.Input(...), or call a subclassed "
+                "model on a batch inside model_fn"
             )
-        if len(model.outputs or ()) > 1:
-            raise ValueError(
-                f"model_fn returned a model with {len(model.outputs)} outputs; paraml trains single-output models: "
-                "concatenate the outputs in the model (and split the targets alike), or train each head separately"
-            )
+        else:  # a subclassed model built lazily (as Keras builds it at the first batch of fit)
+            self._pending_compile = compile_args
+        return model
+
+    def _compile(self, args: dict[str, Any]) -> None:
+        """Create the optimizer under the backend's scope and compile the model as ``model.compile`` does."""
+        model = self._model
         with self.backend.scope():
-            model.compile(optimizer=make_optimizer(optimizer), loss=loss)
-            opt = model.optimizer  # under a mixed-precision policy, compile wraps it in a LossScaleOptimizer
+            opt = make_optimizer(args["optimizer"])
+            # Keras accumulates inside apply_gradients with a cond that breaks under tf.distribute (a merge_call in
+            # the cond): paraml's loop accumulates instead, with the same rule, around an optimizer without it.
+            accumulation = opt.gradient_accumulation_steps
+            if accumulation:
+                opt = opt.__class__.from_config({**opt.get_config(), "gradient_accumulation_steps": None})
+            if args["auto_scale_loss"] and model.dtype_policy.name == "mixed_float16":
+                opt = keras.optimizers.LossScaleOptimizer(opt)  # as compile would, but under the strategy
+            self.backend.check_optimizer(opt)
             opt.build(model.trainable_variables)
         with self.backend.metrics_scope():
-            compiled_metrics = resolve_metrics(metrics, loss_name, model)
-            loss_tracker = keras.metrics.Mean(name="loss")
-        self._trainer = Trainer(
-            self.backend, model, opt, loss_fn, compiled_metrics, loss_tracker, self.steps_per_execution
+            model.compile(**{**args, "optimizer": opt})
+        use_xla = self._resolve_xla(model)
+        self._trainer = Trainer(self.backend, model, self.steps_per_execution, accumulation, use_xla)
+        self._pending_compile = None
+
+    def _resolve_xla(self, model: keras.Model) -> bool:
+        """Decide ``jit_compile`` for this model and backend; remember why (for :meth:`explain`)."""
+        if self.jit_compile is False:
+            return False
+        problem = self.backend.xla_problem()
+        if problem is None:
+            blocked = [layer.name for layer in _all_layers(model) if not getattr(layer, "supports_jit", True)]
+            if blocked:
+                problem = f"layer {blocked[0]!r} does not support XLA (supports_jit=False)"
+        if self.jit_compile is True:
+            if problem is not None:
+                raise ValueError(f"jit_compile=True cannot be used: {problem}; use jit_compile=False or 'auto'")
+            self._xla_reason = "jit_compile=True: each replica's forward pass, loss and gradients run under XLA"
+            return True
+        if problem is None and not all("GPU" in d for d in self.devices):
+            problem = "the devices are CPUs (Keras' rule: XLA only on accelerators)"
+        self._xla_reason = (
+            "jit_compile='auto': XLA on, the model and the backend support it"
+            if problem is None
+            else f"jit_compile='auto': XLA off, {problem}"
         )
-        return model
+        return problem is None
+
+    def _ready(self, action: str, source: GlobalBatches) -> Trainer:
+        """The trainer; a model built lazily gets its weights from a zero batch shaped like ``source``'s first."""
+        if self._trainer is None and self._pending_compile is not None:
+            x = zeros_like_spec(source.dataset(0).element_spec)[0]
+            with self.backend.scope():
+                self.backend.forward(self._model, x, training=False)
+            if not self._model.weights:
+                raise ValueError("the model has no weights even after a call on the first batch: nothing to train")
+            self._compile(self._pending_compile)
+        return self._require_trainer(action)
 
     # -- train, evaluate, predict -------------------------------------------------------------------------------------
     def _batches(
-        self, x: Any, y: Any, batch_size: int, *, shuffle: bool = False, targets: bool = True
+        self,
+        x: Any,
+        y: Any,
+        batch_size: int | None,
+        *,
+        shuffle: bool = False,
+        targets: bool = True,
+        sample_weight: Any = None,
+        class_weight: Any = None,
+        steps: int | None = None,
     ) -> GlobalBatches:
         return global_batches(
             x,
             y,
+            sample_weight=sample_weight,
+            class_weight=class_weight,
             batch_size=batch_size,
             num_replicas=self.num_replicas,
             shuffle=shuffle,
             seed=self.seed or 0,
             need_targets=targets,
+            steps=steps,
         )
 
     def fit(
@@ -268,38 +384,56 @@ class Parallel:
         x: Any,
         y: Any = None,
         *,
-        batch_size: int = 32,
+        batch_size: int | None = None,
         epochs: int = 1,
-        validation_data: Any = None,
-        callbacks: Sequence[keras.callbacks.Callback] | None = None,
         verbose: Verbose = "auto",
+        callbacks: Sequence[keras.callbacks.Callback] | None = None,
+        validation_split: float = 0.0,
+        validation_data: Any = None,
         shuffle: bool = True,
+        class_weight: Mapping[int, float] | None = None,
+        sample_weight: Any = None,
         initial_epoch: int = 0,
+        steps_per_epoch: int | None = None,
+        validation_steps: int | None = None,
+        validation_batch_size: int | None = None,
+        validation_freq: int | Sequence[int] = 1,
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int | None = None,
         keep: int | None = 3,
     ) -> keras.callbacks.History:
-        """Train the model, as ``keras.Model.fit`` does, and return its ``History``.
+        """Train the model, as ``keras.Model.fit`` does (the same arguments and meaning), and return its ``History``.
 
-        ``x``/``y`` are numpy arrays (``x`` may be a dict of arrays for a multi-input model) or ``x`` is a
-        ``tf.data.Dataset`` of ``(x, y)`` global batches. ``batch_size`` is the global batch, split across replicas.
-        Shuffling depends only on ``seed`` and the epoch. ``verbose=1`` shows the Keras progress bar.
+        ``x``/``y`` are numpy arrays (``x`` may be a dict or list of arrays for a multi-input model, ``y`` likewise
+        for a multi-output one), or ``x`` is a ``tf.data.Dataset``, a Python generator or a ``keras.utils.PyDataset``
+        of ``(x, y)`` or ``(x, y, sample_weight)`` global batches (infinite ones need ``steps_per_epoch``).
+        ``batch_size`` (default 32) is the global batch, split across replicas. Shuffling depends only on ``seed``
+        and the epoch. ``verbose=1`` shows the Keras progress bar.
 
         With ``checkpoint_dir``, a checkpoint is saved at the end of every epoch (and every ``checkpoint_every``
         steps), keeping the newest ``keep``; started again with the same directory, training resumes from the last
-        complete checkpoint and ends with the weights of a run that never stopped. (Resuming mid-epoch restores the
-        weights and the data position exactly; that epoch's logged averages then cover only the steps after it.)
+        complete checkpoint and ends with the weights of a run that never stopped. A SIGTERM or SIGINT during such a
+        fit stops at the next step, saves, and exits with :data:`paraml.preemption` 's code (see docs/guide.md).
         """
-        trainer = self._require_trainer("fit")
+        self._require_model("fit")
         for name, value, low in (("epochs", epochs, 1), ("initial_epoch", initial_epoch, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        for name, value in (("steps_per_epoch", steps_per_epoch), ("validation_steps", validation_steps)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        _check_validation_freq(validation_freq)
         verbosity = _verbosity(verbose, 1)
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"keep must be a positive int or None, got {keep!r}")
         for callback in callbacks or ():
             if not isinstance(callback, keras.callbacks.Callback):
                 raise TypeError(f"callbacks must be keras.callbacks.Callback instances, got {callback!r}")
+            if isinstance(callback, keras.callbacks.BackupAndRestore):
+                raise ValueError(
+                    "keras.callbacks.BackupAndRestore is not supported: use par.fit(..., checkpoint_dir=DIR), which "
+                    "saves every epoch (and every checkpoint_every steps) and resumes exactly where a run stopped"
+                )
         if not self.is_chief:  # files that must exist once are the chief's (TF's multi-worker convention)
             callbacks = [c for c in callbacks or () if not isinstance(c, CHIEF_ONLY_CALLBACKS)]
         if checkpoint_every is not None and (
@@ -308,17 +442,42 @@ class Parallel:
             raise ValueError(f"checkpoint_every must be a positive int (steps) or None, got {checkpoint_every!r}")
         if checkpoint_every is not None and checkpoint_dir is None:
             raise ValueError("checkpoint_every needs checkpoint_dir: say where the checkpoints go")
-        source = self._batches(x, y, batch_size, shuffle=shuffle)
+        if validation_split and validation_data is None:
+            (x, y, sample_weight), validation_data = split_validation(x, y, sample_weight, validation_split)
+        elif validation_split:
+            raise ValueError("validation_split and validation_data are exclusive: pass one of them")
+
+        def training_batches() -> GlobalBatches:
+            return self._batches(
+                x,
+                y,
+                batch_size,
+                shuffle=shuffle,
+                sample_weight=sample_weight,
+                class_weight=class_weight,
+                steps=steps_per_epoch,
+            )
+
+        source = training_batches()
+        trainer = self._ready("fit", source)
         validation = None
         if validation_data is not None:
+            val_size = validation_batch_size or batch_size
             if isinstance(validation_data, (tuple, list)):
-                if len(validation_data) != 2:
-                    raise ValueError("validation_data must be (x_val, y_val) or a tf.data.Dataset")
-                validation = self._batches(validation_data[0], validation_data[1], batch_size)
+                if len(validation_data) not in (2, 3):
+                    raise ValueError(
+                        "validation_data must be (x_val, y_val), (x_val, y_val, sample_weight_val), a tf.data.Dataset,"
+                        " a generator or a keras.utils.PyDataset"
+                    )
+                val_weight = validation_data[2] if len(validation_data) == 3 else None
+                validation = self._batches(
+                    validation_data[0], validation_data[1], val_size, sample_weight=val_weight, steps=validation_steps
+                )
             else:
-                validation = self._batches(validation_data, None, batch_size)
-        start_step, on_progress = 0, None
+                validation = self._batches(validation_data, None, val_size, steps=validation_steps)
+        start_step, on_progress, resumed = 0, None, False
         if checkpoint_dir is not None:
+            _check_writable(checkpoint_dir)
             state = self.restore(checkpoint_dir) if latest_checkpoint(checkpoint_dir) is not None else None
             # Workers resuming at different points would hang in the collectives: fail instead.
             self.backend.check_same_on_every_worker(
@@ -327,28 +486,61 @@ class Parallel:
                 "checkpoint_dir must be on storage every worker sees (the chief writes it)",
             )
             if state is not None and (state.epoch > initial_epoch or (state.epoch == initial_epoch and state.step)):
-                initial_epoch, start_step = state.epoch, state.step
-                source = self._batches(x, y, batch_size, shuffle=shuffle)  # the checkpoint's seed decides order
-            on_progress = self._checkpointer(checkpoint_dir, checkpoint_every, keep)
-        history = trainer.fit(
-            source,
-            epochs=epochs,
-            initial_epoch=initial_epoch,
-            validation=validation,
-            callbacks=callbacks,
-            verbose=verbosity,
-            start_step=start_step,
-            on_progress=on_progress,
-        )
+                initial_epoch, start_step, resumed = state.epoch, state.step, True
+                source = training_batches()  # the checkpoint's seed decides the order
+            on_progress = self._checkpointer(checkpoint_dir, checkpoint_every, keep, start_step)
+        self._check_no_empty_replica(source)
+        # With somewhere to save, SIGTERM/SIGINT stop training at the next step, which saves and exits (143/130).
+        guard = PreemptionGuard() if checkpoint_dir is not None else None
+        with guard if guard is not None else nullcontext():
+            if guard is not None:
+                trainer.stop_requested = lambda: guard.requested
+            try:
+                history, preempted = trainer.fit(
+                    source,
+                    epochs=epochs,
+                    initial_epoch=initial_epoch,
+                    validation=validation,
+                    validation_freq=validation_freq,
+                    callbacks=callbacks,
+                    verbose=verbosity,
+                    start_step=start_step,
+                    on_progress=on_progress,
+                    resumed=resumed,
+                )
+            finally:
+                trainer.stop_requested = lambda: False
         if history.epoch:
             self._epochs_done = history.epoch[-1] + 1
+        if preempted and guard is not None:
+            if not guard.requested:  # another worker was signalled: this one stops with it
+                guard.request()
+            assert checkpoint_dir is not None
+            error = guard.exception(checkpoint=latest_checkpoint(checkpoint_dir), epoch=self._epochs_done)
+            print(f"paraml: {error}", file=sys.stderr, flush=True)
+            raise error
         return history
 
+    def _check_no_empty_replica(self, source: GlobalBatches) -> None:
+        """Under a backend that cannot skip an empty replica, refuse a final batch that would leave one empty when
+        the model has state computed from the batch (BatchNormalization would turn it into NaN)."""
+        if self.backend.skips_empty_replicas or source.num_samples is None or source.batch_size is None:
+            return
+        tail = source.num_samples % source.batch_size
+        stateful = [w.path for w in self.model.non_trainable_weights if w.dtype.startswith("float")]
+        if 0 < tail < self.num_replicas and stateful:
+            raise ValueError(
+                f"strategy {self.strategy!r}: the last batch has {tail} sample(s) for {self.num_replicas} replicas, so "
+                f"a replica would get none and turn batch statistics ({stateful[0]!r}) into NaN; choose a batch_size "
+                f"that leaves at least {self.num_replicas} samples in the last batch, or drop those samples"
+            )
+
     def _checkpointer(
-        self, directory: str | os.PathLike[str], every: int | None, keep: int | None
+        self, directory: str | os.PathLike[str], every: int | None, keep: int | None, start_step: int = 0
     ) -> Callable[[int, int, str], None]:
-        """The hook that saves at each epoch's end, when training stops mid-epoch, and every ``every`` steps."""
-        last = {"step": 0}
+        """The hook that saves at each epoch's end, when training stops mid-epoch, and every ``every`` steps (on the
+        same grid of steps after a resume from ``start_step``)."""
+        last = {"step": start_step - start_step % every if every else 0}
 
         def on_progress(epoch: int, steps_done: int, event: str) -> None:
             if event == "epoch_end":
@@ -387,12 +579,62 @@ class Parallel:
         self.seed, self._epochs_done = state.seed, state.epoch
         return state
 
-    def evaluate(self, x: Any, y: Any = None, *, batch_size: int = 32, verbose: Verbose = 0) -> dict[str, float]:
-        """Loss and metrics over every sample of ``x``/``y``: ``{"loss": ..., "accuracy": ...}``."""
-        trainer = self._require_trainer("evaluate")
-        return trainer.evaluate(self._batches(x, y, batch_size), verbose=_verbosity(verbose, 0))
+    def evaluate(
+        self,
+        x: Any,
+        y: Any = None,
+        *,
+        batch_size: int | None = None,
+        verbose: Verbose = 0,
+        sample_weight: Any = None,
+        steps: int | None = None,
+    ) -> dict[str, float]:
+        """Loss and metrics over every sample of ``x``/``y`` (or the first ``steps`` batches), with Keras' names:
+        ``{"loss": ..., "accuracy": ...}`` (``"<output>_loss"``, ``"<output>_<metric>"`` for multi-output models)."""
+        self._require_model("evaluate")
+        source = self._batches(x, y, batch_size, sample_weight=sample_weight, steps=steps)
+        trainer = self._ready("evaluate", source)
+        return trainer.evaluate(source, verbose=_verbosity(verbose, 0))
 
-    def predict(self, x: Any, *, batch_size: int = 32, verbose: Verbose = 0) -> Any:
-        """The model's output for every sample of ``x``, in input order, as a numpy array."""
-        trainer = self._require_trainer("predict")
-        return trainer.predict(self._batches(x, None, batch_size, targets=False), verbose=_verbosity(verbose, 0))
+    def predict(self, x: Any, *, batch_size: int | None = None, verbose: Verbose = 0, steps: int | None = None) -> Any:
+        """The model's output for every sample of ``x`` (or the first ``steps`` batches), in input order, as numpy
+        in the model's output structure (an array, or a list/dict of arrays)."""
+        self._require_model("predict")
+        source = self._batches(x, None, batch_size, targets=False, steps=steps)
+        trainer = self._ready("predict", source)
+        return trainer.predict(source, verbose=_verbosity(verbose, 0))
+
+
+def _all_layers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
+    """``layer`` and every layer nested in it (through ``layers`` of models and attributes of layers)."""
+    found: list[keras.layers.Layer] = []
+    stack = [layer]
+    while stack:
+        current = stack.pop()
+        if any(current is seen for seen in found):
+            continue
+        found.append(current)
+        children = list(getattr(current, "layers", []) or [])
+        children += [v for v in vars(current).values() if isinstance(v, keras.layers.Layer)]
+        stack.extend(children)
+    return found
+
+
+def _check_validation_freq(validation_freq: Any) -> None:
+    if isinstance(validation_freq, bool) or not (
+        (isinstance(validation_freq, int) and validation_freq >= 1)
+        or (isinstance(validation_freq, (list, tuple, set, range)) and all(isinstance(e, int) for e in validation_freq))
+    ):
+        raise ValueError(
+            f"validation_freq must be a positive int or a list of epochs (1-based), got {validation_freq!r}"
+        )
+
+
+def _check_writable(directory: str | os.PathLike[str]) -> None:
+    """Fail before training when the checkpoint directory cannot be written (nothing in it is touched)."""
+    path = Path(directory)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and (not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK)):
+        raise PermissionError(f"checkpoint_dir {str(path)!r} is not writable (checked {str(existing)!r})")

@@ -23,9 +23,10 @@ __all__ = ["Backend", "DeviceSpec", "Objective"]
 #: What users pass as ``devices=``: None (all), a count, a device name or a sequence of names.
 DeviceSpec = None | int | str | Sequence[str]
 
-#: ``objective(y_pred, y, sample_weight, first) -> scalar``: the loss to differentiate for (a part of) a replica's
-#: batch. ``first`` is True for exactly one part per step (where per-step terms such as regularisation are added).
-Objective = Callable[[Any, Any, tf.Tensor, bool], tf.Tensor]
+#: ``objective(x, y, y_pred, sample_weight) -> scalar``: the loss to differentiate for (a part of) a replica's batch,
+#: already scaled so that the parts of every replica add up to the step's loss; it also updates the loss tracker and
+#: the metrics. Call it right after the forward pass of that part: it reads ``model.losses`` of the latest call.
+Objective = Callable[[Any, Any, Any, Any], tf.Tensor]
 
 
 class Backend(abc.ABC):
@@ -40,6 +41,11 @@ class Backend(abc.ABC):
     name: ClassVar[str] = ""
     #: Keyword options this backend accepts (anything else is rejected before training starts).
     option_names: ClassVar[tuple[str, ...]] = ()
+    #: Whether a replica that a short final batch leaves without rows skips the forward pass (inside a ``tf.cond``);
+    #: a backend whose forward pass holds a sync point (``merge_call``) cannot, as TF refuses one inside a ``cond``.
+    skips_empty_replicas: ClassVar[bool] = True
+    #: Whether a model without weights at build (a subclassed model built lazily) may get them at the first batch.
+    builds_on_first_batch: ClassVar[bool] = True
     #: Whether ``devices=None`` means "every local device" (True) or "the first device" (False).
     uses_all_devices: ClassVar[bool] = True
 
@@ -120,8 +126,23 @@ class Backend(abc.ABC):
         """Gradients of ``objective`` with respect to the trainable variables, and the model's output."""
         with tf.GradientTape() as tape:
             y_pred = self.forward(model, x, training=True)
-            loss = objective(y_pred, y, sample_weight, True)
+            loss = objective(x, y, y_pred, sample_weight)
         return tape.gradient(loss, model.trainable_variables), y_pred
+
+    def check_optimizer(self, optimizer: keras.optimizers.Optimizer) -> None:
+        """Raise ``ValueError`` (at build) for an optimizer this backend cannot step; the default takes any."""
+        del optimizer
+
+    def xla_problem(self) -> str | None:
+        """Why this backend cannot compile the replicas' step with XLA, or None when it can."""
+        return None
+
+    def any_worker(self, flag: tf.Tensor) -> tf.Tensor:
+        """``flag`` (a float scalar) summed over the workers, in cross-replica context: > 0 when any worker set it.
+
+        A single process returns it as is; under ``multi_worker`` it is a collective (every worker must call it).
+        """
+        return flag
 
     def check_same_on_every_worker(self, value: int, what: str) -> None:
         """Raise unless every worker passes the same ``value``; a no-op for a single process."""

@@ -7,10 +7,12 @@ a ``make_strategy`` on top of :class:`StrategyBackend`.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 from ..cluster import ClusterConfigError, parse_tf_config
@@ -114,6 +116,8 @@ class CentralStorageBackend(StrategyBackend):
     """
 
     option_names = ("parameter_device",)
+    # Updating the aggregated non-trainable state (below) is a merge_call in the forward pass: no cond around it.
+    skips_empty_replicas = False
 
     @property
     def parameter_device(self) -> str:
@@ -125,20 +129,36 @@ class CentralStorageBackend(StrategyBackend):
             list(self.devices), parameter_device=self.parameter_device
         )
 
-    def build_model(self, model_fn: Callable[[], Any], optimizer: Any = None) -> Any:
-        model = super().build_model(model_fn, optimizer)
-        # Layers that update non-trainable variables while training (BatchNormalization's moving statistics) fail
-        # under this strategy at the first step with "You must specify an aggregation method to update a
-        # AggregatingVariable in Replica Context" (Keras' own fit too). Say so now, by name.
-        for variable in getattr(model, "non_trainable_weights", ()):
-            if "moving_mean" in variable.path or "moving_variance" in variable.path:
-                layer = variable.path.rsplit("/", 1)[0]
-                raise ValueError(
-                    f"strategy 'central_storage' cannot train {layer!r}: TensorFlow's CentralStorageStrategy cannot "
-                    "update a BatchNormalization layer's moving statistics from the replicas. Use 'mirrored', or a "
-                    "normalisation without moving statistics (LayerNormalization, GroupNormalization)"
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Any]:
+        # CentralStorageStrategy refuses to update, from a replica, a variable without an aggregation. Keras creates
+        # its non-trainable state that way (BatchNormalization's moving statistics, the SeedGenerator of Dropout and
+        # of random layers, LossScaleOptimizer's scale), so Keras' own fit fails under this strategy at the first
+        # step. Variables created under this scope get an aggregation: floats the mean of the replicas' updates
+        # (BatchNorm's moving statistics follow the average of the replicas' batch statistics), integers (seed and
+        # step counters, equal on every replica) the first replica's.
+        def with_aggregation(next_creator: Callable[..., Any], **kwargs: Any) -> Any:
+            unset = kwargs.get("aggregation") in (None, tf.VariableAggregation.NONE)
+            if kwargs.get("trainable") is False and unset:
+                dtype = tf.as_dtype(kwargs.get("dtype") or tf.float32)
+                kwargs["aggregation"] = (
+                    tf.VariableAggregation.MEAN if dtype.is_floating else tf.VariableAggregation.ONLY_FIRST_REPLICA
                 )
-        return model
+            return next_creator(**kwargs)
+
+        with self.strategy.scope() as strategy, tf.variable_creator_scope(with_aggregation):
+            yield strategy
+
+    def check_optimizer(self, optimizer: Any) -> None:
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ValueError(
+                "strategy 'central_storage' cannot step Keras' LossScaleOptimizer (mixed_float16): it updates its "
+                "loss scale from each replica inside a cond, which CentralStorageStrategy cannot aggregate. Use "
+                "'mirrored', or the mixed_bfloat16 policy (no loss scaling), or build(..., auto_scale_loss=False)"
+            )
+
+    def xla_problem(self) -> str | None:
+        return "under central_storage the forward pass updates aggregated variables (a sync point XLA cannot hold)"
 
     def metrics_scope(self) -> AbstractContextManager[Any]:
         # Metric variables made under this strategy's scope sum wrongly from the second update on (each replica
@@ -237,6 +257,12 @@ class MultiWorkerBackend(StrategyBackend):
         if resolver.task_type == "chief":
             return 0
         return int(resolver.task_id) + (1 if has_chief else 0)
+
+    def any_worker(self, flag: tf.Tensor) -> tf.Tensor:
+        per_replica = self.strategy.run(lambda: tf.identity(flag))
+        # Each worker's replicas all carry its flag: dividing by the local replicas counts each worker once.
+        local = len(self.strategy.extended.worker_devices)
+        return self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None) / local
 
     def check_same_on_every_worker(self, value: int, what: str) -> None:
         """Raise on every worker unless all workers pass the same ``value`` (a collective: all must call it)."""

@@ -1,50 +1,64 @@
-"""``model_parallel``: a model too big for one device, split into stages of layers on different devices.
+"""``model_parallel``: a model too big for one device, split into stages of units on different devices.
 
 How it works, and why:
 
-- **Placement.** ``model_fn`` creates its variables while it runs (a model that starts with ``keras.Input``), before
-  any partition is known. So the model is built twice: once on the host to measure it and plan the stages, then
-  again under a ``tf.variable_creator_scope`` that creates the i-th variable on the device of the stage that owns
-  it, and the first build's weights are copied over (so the same seed gives the same initial weights as on every
-  other backend). Only public APIs are used; ``model_fn`` must build the same model each time it is called.
-- **Computation.** The model is run layer by layer in its own topological order, each layer under
-  ``tf.device(stage)``: a layer's inputs may come from any earlier stage (skip connections and branches work), and
-  TensorFlow copies a tensor once to each device that consumes it.
-- **Pipelining.** With ``micro_batches=M`` each batch is split into M micro-batches that all go through the stages
-  in one ``tf.function``. TensorFlow's dataflow executor runs an op as soon as its inputs are ready, so stage k works
-  on micro-batch i while stage k+1 works on micro-batch i-1 (the GPipe schedule, without a hand-written scheduler).
-  The gradient of the summed micro-batch losses is the accumulated gradient; one optimizer update per batch. When a
-  batch does not divide by M, the first ``batch % M`` micro-batches get one sample more.
+- **Units.** A unit is a layer that is not itself a model (:func:`paraml.memory.model_units`): nested models (a
+  keras_hub backbone inside its task, a backbone inside backbone + head) are descended into, so a 12-layer
+  transformer's blocks spread over the stages; a transformer block, an attention layer or a Dense is one unit. A
+  layer called several times (a tied embedding) is one unit, counted once.
+- **Order and sizes.** The model is called once on a small batch of ones with each unit's ``call`` wrapped
+  (:func:`paraml.memory.observe_units`): the order in which the units first run is the pipeline order, and their
+  outputs give the activation sizes the balanced planner weighs next to the parameters.
+- **Placement.** ``model_fn`` creates its variables while it runs, before any partition is known. So the model is
+  built twice: once on the host to observe it and plan the stages, then again under a ``tf.variable_creator_scope``
+  that creates the i-th variable on the device of the stage whose unit owns it, and the first build's variables are
+  copied over (so the same seed gives the same initial weights, and random-seed states, as on every other backend).
+  ``model_fn`` must build the same model each time it is called; a different second model is refused at build.
+- **Computation.** The model runs its own ``call``: Keras does what it always does (several tensor and keyword
+  arguments, masks, keras ops between layers, nested, Sequential, functional and subclassed models), and each unit's
+  ``call`` (an instance attribute set at build, a public method) runs under ``tf.device(stage)``. Ops between units
+  run on the device of the enclosing scope; TensorFlow copies a tensor once to each device that consumes it.
+- **Pipelining.** With ``micro_batches=M`` each batch is split into M micro-batches (every leaf of ``x``, ``y`` and
+  the sample weights, along axis 0) that all go through the stages in one ``tf.function``. TensorFlow's dataflow
+  executor runs an op as soon as its inputs are ready, so stage k works on micro-batch i while stage k+1 works on
+  micro-batch i-1 (the GPipe schedule, without a hand-written scheduler). The gradient of the summed micro-batch
+  losses is the accumulated gradient; one optimizer update per batch. When a batch does not divide by M, the first
+  ``batch % M`` micro-batches get one sample more.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import replace
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from ..memory import layer_costs, optimizer_slots_per_param
-from ..partition import PartitionPlan, make_plan
+from ..devices import device_memory
+from ..memory import Observation, format_bytes, model_units, observe_units, optimizer_slots_per_param, parse_size
+from ..partition import LayerCost, PartitionPlan, Stage, layer_cost, make_plan
 from .base import Backend, DeviceSpec, Objective
 from .registry import register
 
 __all__ = ["ModelParallelBackend"]
 
-#: Batch size used to estimate activations when planning stages (only the proportions between layers matter).
+#: Default batch size the activations are estimated for when planning stages (option ``batch_size``).
 PLANNING_BATCH = 32
+
+#: A unit whose cost exceeds this share of a perfect 1/K split keeps the stages from balancing: describe() says so.
+UNBALANCED_SHARE = 1.0
 
 
 @register("model_parallel")
 class ModelParallelBackend(Backend):
-    """Layers split into contiguous stages, one per device, with micro-batch pipelining.
+    """Units (layers; nested models descended into) split into contiguous stages, one per device, with micro-batches.
 
     Options: ``partition`` (``"balanced"``: minimise the largest stage's parameters + gradients + optimizer slots +
-    activations; ``"even"``: the same number of layers per stage; a list of lists of layer names; a list of stage
-    start indices) and ``micro_batches`` (default 1).
+    activations; ``"even"``: the same number of units per stage; a list of lists of unit names; a list of stage
+    start indices), ``micro_batches`` (default 1), ``batch_size`` (the batch the activations are estimated for when
+    planning, default 32: the training batch is not known at build) and ``device_memory`` (``"16GiB"``, bytes, or
+    None: what TensorFlow tells; a unit or a stage larger than that is refused at build).
 
     >>> import keras
     >>> from paraml import Parallel
@@ -55,7 +69,9 @@ class ModelParallelBackend(Backend):
     [('dense',), ('dense_1',)]
     """
 
-    option_names = ("partition", "micro_batches")
+    option_names = ("partition", "micro_batches", "device_memory", "batch_size")
+    #: Variables are placed at build, so the model must have them then (no lazily built subclassed models).
+    builds_on_first_batch = False
 
     def __init__(self, devices: DeviceSpec = None, **options: Any) -> None:
         micro_batches = options.get("micro_batches", 1)
@@ -64,14 +80,22 @@ class ModelParallelBackend(Backend):
         partition = options.get("partition", "balanced")
         if not isinstance(partition, (str, list, tuple)):
             raise ValueError(
-                f"partition must be 'balanced', 'even', a list of lists of layer names or a list of ints, "
+                f"partition must be 'balanced', 'even', a list of lists of unit names or a list of ints, "
                 f"got {partition!r}"
             )
+        memory = options.get("device_memory")
+        batch_size = options.get("batch_size", PLANNING_BATCH)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         super().__init__(devices, **options)
         self.micro_batches: int = micro_batches
         self.partition = partition
+        self.batch_size: int = batch_size
+        self.device_memory: int | None = None if memory is None else parse_size(memory)
         self.plan: PartitionPlan | None = None
-        self._program: list[tuple[keras.layers.Layer, str]] = []
+        #: The final model's units and the device each runs on, in pipeline order.
+        self.placement: list[tuple[str, keras.layers.Layer, str]] = []
+        self.notes: list[str] = []
 
     @property
     def num_replicas(self) -> int:
@@ -89,40 +113,99 @@ class ModelParallelBackend(Backend):
             created.append(variable)
             return variable
 
-        with tf.device("/device:CPU:0"), tf.variable_creator_scope(record):  # measure on the host
-            probe = model_fn()
-        if not isinstance(probe, keras.Model) or not probe.built:
-            return probe  # the facade reports what is wrong with it
-        layers = _compute_layers(probe)
-        costs = layer_costs(probe, batch_size=PLANNING_BATCH)
+        with tf.device("/device:CPU:0"):  # observe on the host: the model may not fit on one accelerator
+            with tf.variable_creator_scope(record):
+                probe = model_fn()
+            if not isinstance(probe, keras.Model) or not probe.built or not probe.weights:
+                return probe  # the facade reports what is wrong with it
+            weights_before = len(probe.weights)
+            observation = observe_units(probe)
+        if len(probe.weights) != weights_before:
+            raise ValueError(
+                f"model {probe.name!r} created variables when it was first called: model_fn must return a model "
+                "with all its weights (call it on a batch, or model.build(input_shape), inside model_fn)"
+            )
+        if not observation.units:
+            raise ValueError(f"model {probe.name!r} has no layers to place on stages")
+        self.notes = [observation.problem + ": units in declaration order"] if observation.problem else []
         slots = optimizer_slots_per_param(optimizer) if optimizer is not None else 0
+        costs = _costs(observation, self.batch_size)
         self.plan = make_plan(costs, self.partition, len(self.devices), slots)
-        owner = {id(v.value): layer.name for layer in layers for v in layer.variables}
-        stage_device = {name: self.devices[s.index] for s in self.plan.stages for name in s.layers}
-        devices = [stage_device.get(owner.get(id(v)), self.devices[0]) for v in created]
+        self._check_fits(costs, slots)
 
+        stage_device = {name: self.devices[s.index] for s in self.plan.stages for name in s.layers}
+        owner = {id(v.value): u.name for u in observation.units for v in u.layer.variables}
+        devices = [stage_device.get(owner.get(id(v)), self.devices[0]) for v in created]
         count = iter(range(len(devices) + 1))
+        different = (
+            "model_fn built a different model the second time ({}): it must build the same model on every call "
+            "(model_parallel calls it twice: once to plan the stages, once to place the variables)"
+        )
 
         def place(next_creator: Callable[..., tf.Variable], **kwargs: Any) -> tf.Variable:
             index = next(count)
             if index >= len(devices):
-                raise RuntimeError("model_fn built a different model the second time: it must build the same one")
+                raise ValueError(different.format(f"more than the {len(devices)} variables of the first"))
             with tf.device(devices[index]):
                 return next_creator(**kwargs)
 
         with tf.variable_creator_scope(place):
             model = model_fn()
-        if next(count) != len(devices):
-            raise RuntimeError("model_fn built a different model the second time: it must build the same one")
-        model.set_weights(probe.get_weights())
+        made = next(count)
+        if made != len(devices):
+            raise ValueError(different.format(f"{made} variables instead of {len(devices)}"))
+        final_units = model_units(model)
+        probe_units = model_units(probe)
+        if _signature(final_units) != _signature(probe_units):
+            raise ValueError(different.format("its layers differ in kind or in variable shapes"))
+        for target, source in zip(model.variables, probe.variables):  # weights and random-seed states
+            target.assign(source)
         # The second build may name its layers differently (Keras numbers auto-names per process): match by position.
-        final_layers = _compute_layers(model)
-        renamed = {old.name: new.name for old, new in zip(layers, final_layers)}
+        renamed = {old: new for (old, _), (new, _) in zip(probe_units, final_units)}
+        by_name = dict(final_units)
+        order = [renamed[u.name] for u in observation.units]
         self.plan = PartitionPlan(
-            tuple(replace(s, layers=tuple(renamed[name] for name in s.layers)) for s in self.plan.stages)
+            tuple(
+                Stage(s.index, tuple(renamed[n] for n in s.layers), s.param_bytes, s.state_bytes, s.activation_bytes)
+                for s in self.plan.stages
+            )
         )
-        self._program = [(new, stage_device[old.name]) for old, new in zip(layers, final_layers)]
+        device_of = {renamed[name]: device for name, device in stage_device.items()}
+        self.placement = [(name, by_name[name], device_of[name]) for name in order]
+        for _, layer, device in self.placement:
+            _stage_call(layer, device)
         return model
+
+    def _check_fits(self, costs: list[LayerCost], slots: int) -> None:
+        """Refuse (at build) a unit or a stage larger than a device; note a unit that keeps stages from balancing."""
+        assert self.plan is not None
+        sizes = [(c.name, layer_cost(c, slots)) for c in costs]
+        memory = self.device_memory
+        if memory is None:
+            known = [device_memory(d) for d in self.devices]
+            memory = min(known) if known and all(m is not None for m in known) else None
+        share = sum(size for _, size in sizes) / len(self.devices)
+        name, size = max(sizes, key=lambda item: item[1])
+        what = (
+            f"unit {name!r} needs {format_bytes(size)} (parameters, gradients, optimizer slots and activations "
+            f"for a batch of {self.batch_size})"
+        )
+        if memory is not None and size > memory:
+            raise ValueError(
+                f"{what}, more than a device's {format_bytes(memory)}: model_parallel places each unit (a layer) on "
+                "one device; splitting one layer across devices is not supported. Use devices with more memory or "
+                "a smaller layer"
+            )
+        if memory is not None and self.plan.largest_stage_bytes > memory:
+            raise ValueError(
+                f"the largest stage needs {format_bytes(self.plan.largest_stage_bytes)}, more than a device's "
+                f"{format_bytes(memory)}: the model does not fit on {len(self.devices)} device(s); use more devices"
+            )
+        if len(self.devices) > 1 and size > share * UNBALANCED_SHARE:
+            self.notes.append(
+                f"{what}, more than a device's share {format_bytes(round(share))}: the stages cannot balance better "
+                "(splitting one layer across devices is not supported)"
+            )
 
     # -- data and execution (one replica: the whole batch goes through the stages) -------------------------------------
     def distribute(self, dataset: tf.data.Dataset) -> Iterable[Any]:
@@ -138,87 +221,100 @@ class ModelParallelBackend(Backend):
         return value
 
     # -- computation ---------------------------------------------------------------------------------------------------
-    def _staged_call(self, model: keras.Model, x: Any, training: bool) -> Any:
-        """Run the model layer by layer, each layer on its stage's device."""
-        flat_x = _match_inputs(model, x)
-        values = {id(t): v for t, v in zip(model.inputs, flat_x)}
-        for layer, device in self._program:
-            with tf.device(device):
-                args = tf.nest.map_structure(lambda t: values[id(t)], layer.input)
-                outputs = layer(args, training=training)
-            for symbolic, value in zip(tf.nest.flatten(layer.output), tf.nest.flatten(outputs)):
-                values[id(symbolic)] = value
-        result = [values[id(t)] for t in model.outputs]
-        return result[0] if len(result) == 1 else result
-
-    def _split(self, value: Any) -> list[Any]:
-        """``value`` (a structure of batch-major tensors) as ``micro_batches`` parts; earlier parts take the rest."""
-        rows = tf.shape(tf.nest.flatten(value)[0])[0]
+    def _split(self, value: Any, rows: tf.Tensor) -> list[Any]:
+        """``value`` (a structure of batch-major tensors, or None) as ``micro_batches`` parts of ``rows`` in all."""
         m = self.micro_batches
-        sizes = rows // m + tf.cast(tf.range(m) < rows % m, tf.int32)
-        parts = [tf.split(t, sizes, num=m) for t in tf.nest.flatten(value)]
+        sizes = rows // m + tf.cast(tf.range(m) < rows % m, rows.dtype)
+        leaves = tf.nest.flatten(value)
+        parts = [[None] * m if t is None else tf.split(t, sizes, num=m) for t in leaves]
         return [tf.nest.pack_sequence_as(value, [p[i] for p in parts]) for i in range(m)]
 
-    def forward(self, model: keras.Model, x: Any, training: bool) -> Any:
+    def _parts(self, *values: Any) -> list[tuple[Any, ...]]:
         if self.micro_batches == 1:
-            return self._staged_call(model, x, training)
-        outputs = [self._staged_call(model, part, training) for part in self._split(x)]
-        return tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *outputs)
+            return [values]
+        first = next(t for t in tf.nest.flatten(values) if t is not None)
+        rows = tf.shape(first, out_type=tf.int32)[0]
+        return list(zip(*(self._split(v, rows) for v in values)))
+
+    def _run(
+        self, model: keras.Model, parts: list[tuple[Any, ...]], training: bool, objective: Objective | None
+    ) -> Any:
+        """Each part through the model (and ``objective``); returns (concatenated outputs, summed loss or None).
+
+        A part after the first is empty when the batch has fewer rows than ``micro_batches`` (a short last batch):
+        it is skipped (in a ``tf.cond`` when its size is known only at run time), as an empty batch would feed NaN
+        into layers such as BatchNormalization.
+        """
+        outputs, losses = [], []
+        for i, (x_part, *rest) in enumerate(parts):
+
+            def step(x_part: Any = x_part, rest: list[Any] = rest) -> tuple[Any, tf.Tensor]:
+                y_pred = model(x_part, training=training)
+                loss = tf.zeros(()) if objective is None else objective(x_part, rest[0], y_pred, rest[1])
+                return y_pred, loss
+
+            if i == 0:
+                y_pred, loss = step()
+            else:
+                first = next(t for t in tf.nest.flatten(x_part) if t is not None)
+                static = first.shape[0]
+                if static == 0:
+                    continue
+                if static is None:
+                    empty = tf.nest.map_structure(lambda t: t[:0], outputs[0])
+                    y_pred, loss = tf.cond(
+                        tf.shape(first)[0] > 0, step, lambda empty=empty: (empty, tf.zeros_like(losses[0]))
+                    )
+                else:
+                    y_pred, loss = step()
+            outputs.append(y_pred)
+            losses.append(loss)
+        y_pred = outputs[0] if len(outputs) == 1 else _concat(outputs)
+        return y_pred, tf.add_n(losses)
+
+    def forward(self, model: keras.Model, x: Any, training: bool) -> Any:
+        return self._run(model, self._parts(x, None, None), training, None)[0]
 
     def gradients(
-        self, model: keras.Model, x: Any, y: Any, sample_weight: tf.Tensor, objective: Objective
+        self, model: keras.Model, x: Any, y: Any, sample_weight: Any, objective: Objective
     ) -> tuple[list[tf.Tensor], Any]:
-        parts = (
-            zip(self._split(x), self._split(y), self._split(sample_weight))
-            if self.micro_batches > 1
-            else [(x, y, sample_weight)]
-        )
         with tf.GradientTape() as tape:
-            outputs, losses = [], []
-            for i, (x_part, y_part, w_part) in enumerate(parts):
-                y_pred = self._staged_call(model, x_part, training=True)
-                losses.append(objective(y_pred, y_part, w_part, i == 0))
-                outputs.append(y_pred)
-            total = tf.add_n(losses)
-        y_pred = tf.nest.map_structure(lambda *p: tf.concat(p, axis=0), *outputs)
+            y_pred, total = self._run(model, self._parts(x, y, sample_weight), True, objective)
         return tape.gradient(total, model.trainable_variables), y_pred
+
+    def xla_problem(self) -> str | None:
+        return "under model_parallel one step spans several devices, and an XLA computation runs on one"
 
     def describe(self) -> str:
         header = f"model_parallel on {len(self.devices)} device(s), micro_batches={self.micro_batches}"
-        return header if self.plan is None else header + "\n" + self.plan.describe(self.devices)
+        if self.plan is None:
+            return header
+        lines = [header, self.plan.describe(self.devices)]
+        lines += [f"stage {s.index} units: {', '.join(s.layers)}" for s in self.plan.stages]
+        lines += [f"note: {note}" for note in self.notes]
+        return "\n".join(lines)
 
 
-def _compute_layers(model: keras.Model) -> list[keras.layers.Layer]:
-    """The model's layers that compute, in topological order (input layers carry no computation)."""
-    layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
-    # A functional model's config lists each layer's calls ("inbound_nodes"); a layer called twice has no single input.
-    config = {c.get("name"): c.get("inbound_nodes", ()) for c in model.get_config().get("layers", ())}
-    for layer in layers:
-        nodes = config.get(layer.name, ())
-        problem = "it is called more than once" if len(nodes) > 1 else None
-        for node in nodes if isinstance(nodes, list) else ():
-            if isinstance(node, dict) and (
-                len(node.get("args", ())) > 1 or "__keras_tensor__" in str(node.get("kwargs"))
-            ):
-                problem = "it takes several tensor arguments, e.g. attention(query, value)"
-        try:
-            layer.input  # noqa: B018 - raises for a layer that was never called
-        except (AttributeError, ValueError) as error:
-            problem = str(error)
-        if problem:
-            raise ValueError(
-                f"model_parallel runs a functional or Sequential model layer by layer; layer {layer.name!r} has no "
-                f"single input ({problem}). Use each layer once with one input (a tensor or a list of tensors), "
-                "or wrap the block in a custom layer."
-            )
-    return layers
+def _costs(observation: Observation, batch_size: int) -> list[LayerCost]:
+    return [
+        LayerCost(u.name, u.param_bytes, u.activation_bytes(observation.rows, batch_size)) for u in observation.units
+    ]
 
 
-def _match_inputs(model: keras.Model, x: Any) -> list[Any]:
-    """``x`` (a tensor, a list or a dict keyed by input name) in the order of ``model.inputs``."""
-    if isinstance(x, dict):
-        names = [t.name for t in model.inputs]
-        layer_names = [layer.name for layer in model.layers if isinstance(layer, keras.layers.InputLayer)]
-        keys = names if all(n in x for n in names) else layer_names
-        return [x[k] for k in keys]
-    return tf.nest.flatten(x)
+def _signature(units: list[tuple[str, keras.layers.Layer]]) -> list[tuple[str, list[tuple[int, ...]]]]:
+    return [(type(layer).__name__, [tuple(v.shape) for v in layer.variables]) for _, layer in units]
+
+
+def _stage_call(layer: keras.layers.Layer, device: str) -> None:
+    """Make ``layer``'s computation run on ``device``: its ``call`` (the public method) wrapped, on this instance."""
+    original = layer.call
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with tf.device(device):
+            return original(*args, **kwargs)
+
+    layer.call = call
+
+
+def _concat(outputs: list[Any]) -> Any:
+    return tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *outputs)

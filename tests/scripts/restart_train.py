@@ -1,0 +1,95 @@
+"""A worker of `paraml launch --max-restarts`: trains with checkpoint_dir and kills itself where it is told to.
+
+Usage: restart_train.py OUT_DIR [--epochs E] [--checkpoint-every N] [--kill RESTART:WORKER:STEP ...]
+
+- Trains digits_model on the digits data with Parallel("multi_worker") and ``fit(checkpoint_dir=OUT_DIR/ckpt)``.
+- ``--kill R:W:S``: on run R (``PARAML_RESTART`` == R), worker W SIGKILLs itself right after global step S
+  (counted from the start of training over all epochs, 1-based). Several may be given.
+- Writes ``OUT_DIR/pid-r{R}-w{W}`` (its PID), appends events to ``OUT_DIR/events.jsonl`` (start, first step, kill,
+  done, with wall-clock times and global steps); the chief saves the final weights to ``OUT_DIR/weights.npz``.
+"""
+
+import argparse
+import json
+import os
+import signal
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("--epochs", type=int, default=3)
+parser.add_argument("--checkpoint-every", type=int, default=None)
+parser.add_argument("--kill", action="append", default=[], help="RESTART:WORKER:STEP")
+args = parser.parse_args()
+
+RESTART = int(os.environ.get("PARAML_RESTART", "0"))
+INDEX = int(os.environ["PARAML_WORKER_INDEX"])
+
+
+def event(name: str, **fields: object) -> None:
+    line = json.dumps({"event": name, "restart": RESTART, "worker": INDEX, "t": time.time(), **fields})
+    with open(os.path.join(args.out, "events.jsonl"), "a") as file:  # one short O_APPEND write: no interleaving
+        file.write(line + "\n")
+
+
+with open(os.path.join(args.out, f"pid-r{RESTART}-w{INDEX}"), "w") as file:
+    file.write(str(os.getpid()))
+event("start")
+
+kills = set()
+for spec in args.kill:
+    restart, worker, step = (int(part) for part in spec.split(":"))
+    if restart == RESTART and worker == INDEX:
+        kills.add(step)
+
+from paraml import Parallel  # noqa: E402
+
+par = Parallel("multi_worker", seed=0)  # first: the strategy must exist before TF initialises its devices
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from paraml import load_digits  # noqa: E402
+from paraml.demo import digits_model  # noqa: E402
+
+
+class Faults(keras.callbacks.Callback):
+    """Logs the first step of this run and SIGKILLs this process after the chosen global steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epoch, self.first, self.last = 0, True, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        step = self.last = self.epoch * self.params["steps"] + batch + 1
+        if self.first:
+            self.first = False
+            event("first_step", step=step)
+        if step in kills:
+            event("kill", step=step)
+            print(f"killing myself after step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+faults = Faults()
+(x, y), _ = load_digits()
+par.build(digits_model, optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+par.fit(
+    x,
+    y,
+    batch_size=64,
+    epochs=args.epochs,
+    verbose=0,
+    callbacks=[faults],
+    checkpoint_dir=os.path.join(args.out, "ckpt"),
+    checkpoint_every=args.checkpoint_every,
+)
+if par.is_chief:
+    np.savez(os.path.join(args.out, "weights.npz"), *par.model.get_weights())
+event("done", step=faults.last)
+print(f"done on run {RESTART}", flush=True)
