@@ -2,10 +2,16 @@
 
 For a model (a preset or ``MODULE:FUNCTION``) and each backend at 1, 2 and 4 devices it measures throughput
 (samples/s, the median of several timed windows after warm-up), step time, time to the first step (tracing), the
-bytes of variables on each device and the process's peak memory. It also measures paraml against a hand-written
-``strategy.run`` loop and against Keras ``model.fit`` under the same ``MirroredStrategy``, as ratios from the same
-run. Timings here are noisy (field notes, 9), so all variants run in one process and their windows are interleaved
-(A B C A B C ...): a disturbance hits every variant alike.
+bytes of variables on each device and the process's peak memory. Every variant is timed two ways: the steady-state
+step (from the end of a ``fit`` call's first step to its last) and the whole ``fit`` call divided by its steps, whose
+difference is the fixed cost a ``fit`` call pays (``fixed_ms``: building the input pipeline, its iterator, ...).
+
+Baselines, run next to paraml: plain Keras ``model.compile(); model.fit()`` on one device with no strategy (what users
+compare with), Keras ``fit`` under the same ``MirroredStrategy`` and a hand-written ``strategy.run`` loop; and, where
+TensorFlow allows it (``single``, ``mirrored``), paraml with ``jit_compile=True`` (XLA in the replica step). The
+ratios (paraml / Keras, XLA / no XLA) are medians of per-window ratios. Timings here are noisy (field notes, 9), so
+all variants run in one process and their windows are interleaved (A B C A B C ...): a disturbance hits every
+variant alike.
 
 ``multi_worker`` runs through ``paraml launch`` with 2 local workers running ``_bench_worker.py``.
 """
@@ -23,7 +29,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BenchResult", "PRESETS", "handwritten_step", "run_bench", "variable_bytes_per_device"]
+__all__ = [
+    "BenchResult",
+    "PRESETS",
+    "RATIOS",
+    "TARGETS",
+    "compute_ratios",
+    "handwritten_step",
+    "run_bench",
+    "variable_bytes_per_device",
+]
 
 GLOBAL_BATCH = 256
 
@@ -33,6 +48,14 @@ def _mlp() -> Any:
 
     layers = [keras.layers.Dense(512, activation="relu") for _ in range(4)]
     return keras.Sequential([keras.Input((256,)), *layers, keras.layers.Dense(10)], name="mlp")
+
+
+def _mlp2() -> Any:
+    """The 256-512-512-10 MLP of issue 13 and field notes 16 (the single-device comparison with plain Keras)."""
+    import keras
+
+    layers = [keras.layers.Dense(512, activation="relu") for _ in range(2)]
+    return keras.Sequential([keras.Input((256,)), *layers, keras.layers.Dense(10)], name="mlp2")
 
 
 def _cnn() -> Any:
@@ -79,6 +102,7 @@ def _transformer() -> Any:
 #: preset name -> (model_fn, input shape, input kind)
 PRESETS: dict[str, tuple[Callable[[], Any], tuple[int, ...], str]] = {
     "mlp": (_mlp, (256,), "float"),
+    "mlp2": (_mlp2, (256,), "float"),
     "cnn": (_cnn, (32, 32, 3), "float"),
     "transformer": (_transformer, (32,), "tokens"),
 }
@@ -115,24 +139,43 @@ class BenchResult:
     backend: str
     devices: int
     micro_batches: int | None = None
+    xla: bool = False
     samples_per_s: float = 0.0
     step_ms: float = 0.0
+    """Steady-state milliseconds per step (median of the windows)."""
+    fit_call_ms: float = 0.0
+    """A whole ``fit`` call's milliseconds divided by its steps (median of the windows): what a user's epoch costs."""
+    fixed_ms: float = 0.0
+    """The fixed cost of one ``fit`` call: the whole call minus its steps at the steady-state step time."""
     first_step_s: float = 0.0
     variable_bytes_per_device: dict[str, int] = field(default_factory=dict)
     peak_rss_mib: float = 0.0
     windows_ms: list[float] = field(default_factory=list)
+    call_windows_ms: list[float] = field(default_factory=list)
+    steps_per_call: int = 0
 
     @property
     def label(self) -> str:
-        """``backend@devices`` plus micro-batches where they apply."""
-        return f"{self.backend}@{self.devices}" + (f" mb={self.micro_batches}" if self.micro_batches else "")
+        """``backend@devices`` plus micro-batches and ``xla`` where they apply."""
+        label = f"{self.backend}@{self.devices}" + (f" mb={self.micro_batches}" if self.micro_batches else "")
+        return label + (" xla" if self.xla else "")
 
 
 class _Runner:
-    """A variant whose ``window()`` runs training steps and returns the steady-state milliseconds per step."""
+    """A variant whose ``window()`` runs one ``fit`` call (or as many steps) and returns the steady-state
+    milliseconds per step and the whole call's milliseconds per step."""
 
-    def __init__(self, result: BenchResult, window: Callable[[], float]) -> None:
+    def __init__(self, result: BenchResult, window: Callable[[], tuple[float, float]]) -> None:
         self.result, self.window = result, window
+
+
+def _timed_fit(fit: Callable[[Any], Any], steps: int) -> tuple[float, float]:
+    """Run ``fit(callbacks)`` of ``steps + 1`` batches: (steady ms per step, whole call ms per step)."""
+    clock = _step_clock()
+    start = time.perf_counter()
+    fit([clock])
+    whole = time.perf_counter() - start
+    return clock.ms_per_step(), whole * 1000 / (steps + 1)
 
 
 def _step_clock(clock: Callable[[], float] = time.perf_counter) -> Any:
@@ -158,7 +201,8 @@ def _step_clock(clock: Callable[[], float] = time.perf_counter) -> Any:
 
 
 def _paraml_runner(par: Any, model_fn: Callable[[], Any], data: Any, steps: int) -> _Runner:
-    """Build ``model_fn`` on ``par``, time its first step (tracing), warm up, and return its timed window."""
+    """Build ``model_fn`` on ``par``, time its first step (tracing), warm up, and return its timed window (one fit
+    call of ``steps + 1`` batches of numpy input, as a user's epoch)."""
     import keras
 
     par.build(
@@ -171,13 +215,17 @@ def _paraml_runner(par: Any, model_fn: Callable[[], Any], data: Any, steps: int)
     start = time.perf_counter()
     par.fit(x[:GLOBAL_BATCH], y[:GLOBAL_BATCH], batch_size=GLOBAL_BATCH, verbose=0)  # traces the step
     micro_batches = getattr(par.backend, "micro_batches", None)
-    result = BenchResult(par.strategy, len(par.devices), micro_batches, first_step_s=time.perf_counter() - start)
+    xla = par.jit_compile is True
+    result = BenchResult(par.strategy, len(par.devices), micro_batches, xla, first_step_s=time.perf_counter() - start)
     result.variable_bytes_per_device = variable_bytes_per_device(par.model.weights + par.model.optimizer.variables)
 
-    def window() -> float:
-        clock = _step_clock()
-        par.fit(window_x, window_y, batch_size=GLOBAL_BATCH, verbose=0, shuffle=False, callbacks=[clock])
-        return clock.ms_per_step()
+    def window() -> tuple[float, float]:
+        return _timed_fit(
+            lambda callbacks: par.fit(
+                window_x, window_y, batch_size=GLOBAL_BATCH, verbose=0, shuffle=False, callbacks=callbacks
+            ),
+            steps,
+        )
 
     window()  # warm-up
     return _Runner(result, window)
@@ -203,8 +251,9 @@ def handwritten_step(strategy: Any, model: Any, optimizer: Any, loss: Any) -> Ca
     return step
 
 
-def _baseline_runners(model_fn: Callable[[], Any], data: Any, steps: int) -> list[_Runner]:
-    """A hand-written loop and Keras ``model.fit``, both under ``MirroredStrategy`` on 2 devices."""
+def _handwritten_runner(model_fn: Callable[[], Any], data: Any, steps: int) -> _Runner:
+    """The hand-written ``strategy.run`` loop under ``MirroredStrategy`` on 2 devices, over one iterator (it has no
+    per-call cost: its whole-call time is its ``steps + 1`` steps)."""
     import keras
     import tensorflow as tf
 
@@ -213,52 +262,85 @@ def _baseline_runners(model_fn: Callable[[], Any], data: Any, steps: int) -> lis
     x, y = data
     window = tf.data.Dataset.from_tensor_slices((x[: (steps + 1) * GLOBAL_BATCH], y[: (steps + 1) * GLOBAL_BATCH]))
     window = window.batch(GLOBAL_BATCH, drop_remainder=True)
-    runners = []
-
     hand = MirroredBackend(2)  # the same strategy paraml builds (collective keys kept apart)
     with hand.strategy.scope():
         model, optimizer = model_fn(), keras.optimizers.SGD(0.01)
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
     step = handwritten_step(hand.strategy, model, optimizer, loss)
-    distributed = hand.strategy.experimental_distribute_dataset(window.repeat())
-    iterator = iter(distributed)
+    iterator = iter(hand.strategy.experimental_distribute_dataset(window.repeat()))
     start = time.perf_counter()
     step(iterator).numpy()
     first = time.perf_counter() - start
 
-    def hand_window() -> float:
+    def hand_window() -> tuple[float, float]:
+        begin = time.perf_counter()
         step(iterator).numpy()  # as the clocked fits: time from the end of a first step
         start = time.perf_counter()
         for _ in range(steps):
             value = step(iterator)
         value.numpy()
-        return (time.perf_counter() - start) * 1000 / steps
+        end = time.perf_counter()
+        return (end - start) * 1000 / steps, (end - begin) * 1000 / (steps + 1)
 
     hand_window()
-    runners.append(_Runner(BenchResult("handwritten-mirrored", 2, first_step_s=first), hand_window))
+    return _Runner(BenchResult("handwritten-mirrored", 2, first_step_s=first), hand_window)
 
-    fit = MirroredBackend(2)
-    with fit.strategy.scope():
-        keras_model = model_fn()
-        keras_model.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+def _keras_runner(
+    model_fn: Callable[[], Any], data: Any, steps: int, devices: int | None, jit_compile: bool = False
+) -> _Runner:
+    """Keras' own ``model.compile(); model.fit()`` on numpy input: with no strategy at all (``devices=None``: plain
+    Keras on one device, the baseline users know) or under ``MirroredStrategy`` on ``devices`` devices."""
+    import contextlib
+
+    import keras
+
+    from .backends.distribute import MirroredBackend
+
+    scope = MirroredBackend(devices).strategy.scope() if devices else contextlib.nullcontext()
+    with scope:
+        model = model_fn()
+        model.compile(
+            keras.optimizers.SGD(0.01),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=jit_compile,
+        )
+    x, y = data
+    window_x, window_y = x[: (steps + 1) * GLOBAL_BATCH], y[: (steps + 1) * GLOBAL_BATCH]
     start = time.perf_counter()
-    keras_model.fit(window.take(1), verbose=0)
+    model.fit(x[:GLOBAL_BATCH], y[:GLOBAL_BATCH], batch_size=GLOBAL_BATCH, verbose=0)
     first = time.perf_counter() - start
+    name = "keras-fit-mirrored" if devices else "keras-fit-single"
 
-    def keras_window() -> float:
-        clock = _step_clock()
-        keras_model.fit(window, verbose=0, callbacks=[clock])
-        return clock.ms_per_step()
+    def window() -> tuple[float, float]:
+        return _timed_fit(
+            lambda callbacks: model.fit(
+                window_x, window_y, batch_size=GLOBAL_BATCH, verbose=0, shuffle=False, callbacks=callbacks
+            ),
+            steps,
+        )
 
-    keras_window()
-    runners.append(_Runner(BenchResult("keras-fit-mirrored", 2, first_step_s=first), keras_window))
-    return runners
+    window()
+    return _Runner(BenchResult(name, devices or 1, xla=jit_compile, first_step_s=first), window)
 
 
-def _configs(device_counts: Sequence[int], micro_batches: Sequence[int]) -> list[tuple[str, int, dict[str, Any]]]:
-    configs: list[tuple[str, int, dict[str, Any]]] = [("single", 1, {})]
+#: Backends whose replica step TensorFlow can compile with XLA (``jit_compile=True``); the others refuse it.
+XLA_BACKENDS = ("single", "mirrored")
+
+
+def _configs(
+    device_counts: Sequence[int], micro_batches: Sequence[int], quick: bool = False
+) -> list[tuple[str, int, dict[str, Any]]]:
+    """(strategy, devices, options) of the paraml rows. ``quick`` leaves out the rows no ratio needs on 1 device and
+    keeps XLA only where a ratio uses it (single@1, mirrored@2)."""
+    configs: list[tuple[str, int, dict[str, Any]]] = [("single", 1, {}), ("single", 1, {"jit_compile": True})]
     for n in device_counts:
-        configs += [("mirrored", n, {}), ("central_storage", n, {})]
+        if quick and n == 1:
+            continue
+        configs += [("mirrored", n, {})]
+        if not quick or n == 2:
+            configs += [("mirrored", n, {"jit_compile": True})]
+        configs += [("central_storage", n, {})]
         if n > 1:
             configs += [("model_parallel", n, {"micro_batches": m}) for m in micro_batches]
     return configs
@@ -295,17 +377,74 @@ def worker_main(argv: Sequence[str]) -> None:
     model_fn, shape, kind = PRESETS[preset]
     runner = _paraml_runner(par, model_fn, _data(shape, kind, (steps + 1) * GLOBAL_BATCH), steps)
     for _ in range(windows):
-        runner.result.windows_ms.append(runner.window())
-    _finish(runner.result)
+        _record(runner)
+    _finish(runner.result, steps)
     runner.result.devices = par.num_workers * len(par.devices)
     if os.environ.get("PARAML_WORKER_INDEX") == "0":
         print("PARAML_BENCH_RESULT " + json.dumps(asdict(runner.result)), flush=True)
 
 
-def _finish(result: BenchResult) -> None:
+def _record(runner: _Runner) -> None:
+    steady, call = runner.window()
+    runner.result.windows_ms.append(steady)
+    runner.result.call_windows_ms.append(call)
+
+
+def _finish(result: BenchResult, steps: int) -> None:
     result.step_ms = statistics.median(result.windows_ms)
     result.samples_per_s = GLOBAL_BATCH / (result.step_ms / 1000)
+    result.steps_per_call = steps + 1
+    if result.call_windows_ms:
+        result.fit_call_ms = statistics.median(result.call_windows_ms)
+        fixed = [(c - w) * (steps + 1) for c, w in zip(result.call_windows_ms, result.windows_ms)]
+        result.fixed_ms = statistics.median(fixed)
     result.peak_rss_mib = _peak_rss_mib()
+
+
+#: name -> (numerator, denominator): the ratios ``paraml bench`` reports when both rows ran (< 1: the first is faster).
+RATIOS: dict[str, tuple[str, str]] = {
+    "single_vs_keras_fit_single": ("single@1", "keras-fit-single@1"),
+    "single_xla_vs_keras_fit_single": ("single@1 xla", "keras-fit-single@1"),
+    "single_xla_vs_keras_fit_single_xla": ("single@1 xla", "keras-fit-single@1 xla"),
+    "paraml_vs_keras_fit": ("mirrored@2", "keras-fit-mirrored@2"),  # mirrored@2 / Keras fit, same strategy
+    "mirrored_xla_vs_keras_fit_mirrored": ("mirrored@2 xla", "keras-fit-mirrored@2"),
+    "paraml_vs_handwritten": ("mirrored@2", "handwritten-mirrored@2"),
+    "keras_fit_xla_vs_no_xla": ("keras-fit-single@1 xla", "keras-fit-single@1"),
+    "keras_fit_mirrored_vs_single": ("keras-fit-mirrored@2", "keras-fit-single@1"),
+}
+
+#: The issue-13 targets: (ratio, at most). The best ``single`` variant is the faster of ``single`` and ``single xla``.
+TARGETS: dict[str, float] = {"best_single_vs_keras_fit_single": 0.9, "best_mirrored_vs_keras_fit_mirrored": 0.9}
+
+
+def _paired(a: Sequence[float], b: Sequence[float]) -> float:
+    """The median of per-window ratios ``a / b`` (the two ran side by side in each window)."""
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def compute_ratios(results: Sequence[BenchResult]) -> tuple[dict[str, float], dict[str, float]]:
+    """(steady-state ratios, whole-fit-call ratios) of :data:`RATIOS`, ``xla_vs_no_xla_<row>`` for every paraml row
+    with an XLA twin, and ``best_single_vs_keras_fit_single`` / ``best_mirrored_vs_keras_fit_mirrored``."""
+    by_label = {r.label: r for r in results if r.call_windows_ms}
+    pairs = dict(RATIOS)
+    for label in by_label:
+        if label.endswith(" xla") and not label.startswith("keras") and label[: -len(" xla")] in by_label:
+            pairs[f"xla_vs_no_xla_{label[: -len(' xla')]}"] = (label, label[: -len(" xla")])
+    steady: dict[str, float] = {}
+    call: dict[str, float] = {}
+    for name, (a, b) in pairs.items():
+        if a in by_label and b in by_label:
+            steady[name] = _paired(by_label[a].windows_ms, by_label[b].windows_ms)
+            call[name] = _paired(by_label[a].call_windows_ms, by_label[b].call_windows_ms)
+    for best, (plain, xla) in {
+        "best_single_vs_keras_fit_single": ("single_vs_keras_fit_single", "single_xla_vs_keras_fit_single"),
+        "best_mirrored_vs_keras_fit_mirrored": ("paraml_vs_keras_fit", "mirrored_xla_vs_keras_fit_mirrored"),
+    }.items():
+        for ratios in (steady, call):
+            values = [ratios[n] for n in (plain, xla) if n in ratios]
+            if values:
+                ratios[best] = min(values)
+    return steady, call
 
 
 def run_bench(
@@ -313,15 +452,19 @@ def run_bench(
     *,
     devices: Sequence[int] = (1, 2, 4),
     micro_batches: Sequence[int] = (1, 2, 4),
-    steps: int = 20,
+    steps: int = 31,
     windows: int = 5,
     threads_per_device: int = 0,
     multi_worker: bool = True,
+    quick: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the comparison; return ``{"results": [BenchResult...], "ratios": {...}, "machine": {...}}``.
+    """Run the comparison; return ``{"results": [BenchResult...], "ratios": {...}, "fit_call_ratios": {...},
+    "targets": {...}, "machine": {...}}``.
 
-    Call it at program start: it sets up ``max(devices)`` simulated devices when the machine has fewer.
+    A timed window is one ``fit`` call of ``steps + 1`` batches per variant. ``quick`` leaves out the rows no ratio
+    needs (1-device data-parallel rows, XLA on more than 2 devices, Keras with XLA). Call it at program start: it sets
+    up ``max(devices)`` simulated devices when the machine has fewer.
     """
     import os
     import platform
@@ -329,7 +472,10 @@ def run_bench(
     from .devices import ensure_devices
     from .parallel import Parallel
 
-    progress = progress or (lambda message: print(f"[bench] {message}", file=sys.stderr, flush=True))
+    began = time.perf_counter()
+    progress = progress or (
+        lambda message: print(f"[bench] {message} ({time.perf_counter() - began:.1f} s)", file=sys.stderr, flush=True)
+    )
     if threads_per_device:
         import tensorflow as tf
 
@@ -345,34 +491,47 @@ def run_bench(
         shape, kind = tuple(probe.inputs[0].shape[1:]), "tokens" if "int" in str(probe.inputs[0].dtype) else "float"
     data = _data(shape, kind, (steps + 1) * GLOBAL_BATCH)
     runners = []
-    configs = _configs(devices, micro_batches)
-    for i, (strategy, n, options) in enumerate(configs, start=1):
-        progress(f"{i}/{len(configs) + 2} build and warm up {strategy}@{n} {options or ''}")
-        runners.append(_paraml_runner(Parallel(strategy, devices=n, seed=0, **options), model_fn, data, steps))
+    configs = _configs(devices, micro_batches, quick)
+    baselines: list[tuple[str, Callable[[], _Runner]]] = [
+        ("Keras fit, no strategy", lambda: _keras_runner(model_fn, data, steps, None))
+    ]
+    if not quick:
+        baselines.append(("Keras fit, no strategy, XLA", lambda: _keras_runner(model_fn, data, steps, None, True)))
     if 2 in devices:
-        progress(f"{len(configs) + 1}/{len(configs) + 2} build and warm up the hand-written loop and Keras fit")
-        runners += _baseline_runners(model_fn, data, steps)
+        baselines.append(("the hand-written loop", lambda: _handwritten_runner(model_fn, data, steps)))
+        baselines.append(("Keras fit under MirroredStrategy(2)", lambda: _keras_runner(model_fn, data, steps, 2)))
+    total = len(configs) + len(baselines)
+    for i, (strategy, n, options) in enumerate(configs, start=1):
+        progress(f"{i}/{total} build and warm up {strategy}@{n} {options or ''}")
+        runners.append(_paraml_runner(Parallel(strategy, devices=n, seed=0, **options), model_fn, data, steps))
+    for i, (what, make) in enumerate(baselines, start=len(configs) + 1):
+        progress(f"{i}/{total} build and warm up {what}")
+        runners.append(make())
     for w in range(windows):
         progress(f"timed window {w + 1}/{windows} of {len(runners)} variants, interleaved")
-        for runner in runners:
-            runner.result.windows_ms.append(runner.window())
+        shift = w % len(runners)  # A B C, B C A, ...: no variant always runs first or after the same neighbour
+        for runner in runners[shift:] + runners[:shift]:
+            _record(runner)
     results = [runner.result for runner in runners]
     for result in results:
-        _finish(result)
+        _finish(result, steps)
     if multi_worker:
         results.append(_multi_worker(model, steps, windows, threads_per_device, progress))
+    ratios, call_ratios = compute_ratios(results)
     by_label = {r.label: r for r in results}
-    ratios = {}
-    if "mirrored@2" in by_label and "handwritten-mirrored@2" in by_label:
-        paraml_windows = by_label["mirrored@2"].windows_ms
-        hand, keras_fit = by_label["handwritten-mirrored@2"].windows_ms, by_label["keras-fit-mirrored@2"].windows_ms
-        # per-window ratios (the variants ran side by side in each window), then the median
-        ratios["paraml_vs_handwritten"] = statistics.median(a / b for a, b in zip(paraml_windows, hand))
-        ratios["paraml_vs_keras_fit"] = statistics.median(a / b for a, b in zip(paraml_windows, keras_fit))
     if "multi_worker@2" in by_label and "mirrored@2" in by_label:
         ratios["multi_worker_vs_mirrored_steps_per_s"] = (
             by_label["mirrored@2"].step_ms / by_label["multi_worker@2"].step_ms
         )
+    targets = {
+        name: {
+            "at_most": limit,
+            "steady": ratios.get(name),
+            "fit_call": call_ratios.get(name),
+            "met": name in call_ratios and call_ratios[name] <= limit,
+        }
+        for name, limit in TARGETS.items()
+    }
     machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
     import tensorflow as tf
 
@@ -381,7 +540,35 @@ def run_bench(
         gpus=len(tf.config.list_physical_devices("GPU")),
         threads_per_device=threads_per_device or "default",
     )
-    return {"model": model, "global_batch": GLOBAL_BATCH, "results": results, "ratios": ratios, "machine": machine}
+    return {
+        "model": model,
+        "global_batch": GLOBAL_BATCH,
+        "steps_per_fit_call": steps + 1,
+        "windows": windows,
+        "results": results,
+        "ratios": ratios,
+        "fit_call_ratios": call_ratios,
+        "targets": targets,
+        "machine": machine,
+    }
+
+
+def _ratio_lines(report: dict[str, Any], markdown: bool) -> list[str]:
+    steady, call = report["ratios"], report.get("fit_call_ratios", {})
+    lines = []
+    if markdown:
+        lines += ["| ratio (< 1: the first is faster) | steady-state step | whole fit call |", "|---|---|---|"]
+    else:
+        lines.append(f"{'ratio (< 1: the first is faster)':<42}{'steady':>8}{'fit call':>10}")
+    for name, value in steady.items():
+        whole = f"{call[name]:.3f}" if name in call else "-"
+        lines.append(f"| `{name}` | {value:.3f} | {whole} |" if markdown else f"{name:<42}{value:>8.3f}{whole:>10}")
+    for name, target in report.get("targets", {}).items():
+        verdict = "met" if target["met"] else "MISSED"
+        measured = "-" if target["fit_call"] is None else f"{target['fit_call']:.3f}"
+        text = f"target {name} <= {target['at_most']} (whole fit call): {measured}, {verdict}"
+        lines.append(f"- {text}" if markdown else text)
+    return lines
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -390,19 +577,22 @@ def format_report(report: dict[str, Any]) -> str:
 
     lines = [f"model {report['model']}, global batch {report['global_batch']}, machine {report['machine']}", ""]
     lines.append(
-        f"{'variant':<28}{'samples/s':>11}{'step ms':>9}{'first step s':>14}{'max var bytes/device':>22}"
-        f"{'peak RSS MiB':>14}"
+        f"{'variant':<26}{'samples/s':>10}{'step ms':>9}{'fit-call ms':>12}{'fixed ms':>10}{'first step s':>13}"
+        f"{'max var bytes/device':>22}{'peak RSS MiB':>13}"
     )
     for r in report["results"]:
         largest = max(r.variable_bytes_per_device.values(), default=0)
         lines.append(
-            f"{r.label:<28}{r.samples_per_s:>11.0f}{r.step_ms:>9.2f}{r.first_step_s:>14.2f}"
-            f"{format_bytes(largest) if largest else '-':>22}{r.peak_rss_mib:>14.0f}"
+            f"{r.label:<26}{r.samples_per_s:>10.0f}{r.step_ms:>9.2f}{r.fit_call_ms:>12.2f}{r.fixed_ms:>10.1f}"
+            f"{r.first_step_s:>13.2f}{format_bytes(largest) if largest else '-':>22}{r.peak_rss_mib:>13.0f}"
         )
     lines.append("")
-    for name, value in report["ratios"].items():
-        lines.append(f"{name}: {value:.3f}")
+    lines += _ratio_lines(report, markdown=False)
     lines.append("")
+    lines.append(
+        f"step ms: steady state; fit-call ms: a whole fit call of {report.get('steps_per_fit_call', '?')} steps per "
+        "step; fixed ms: what one fit call costs beyond its steps. Ratios: medians of per-window ratios."
+    )
     lines.append("Simulated CPU devices share one thread pool: pipeline and data-parallel gains here are not a GPU's.")
     return "\n".join(lines)
 
@@ -418,24 +608,29 @@ def format_markdown(report: dict[str, Any], command: str) -> str:
         f"Generated by `{command}`. Machine: {machine['cpus']} CPU cores, {machine['gpus']} GPUs, "
         f"{machine['platform']}, Python {machine['python']}, TensorFlow {machine['tensorflow']}, intra-op threads "
         f"per device: {machine['threads_per_device']}. Model `{report['model']}`, global batch "
-        f"{report['global_batch']}. Devices are logical CPUs sharing the same 2 cores, so more devices cannot be "
-        "faster here: these numbers show paraml's overheads and memory layout, not a GPU cluster's speed-ups.",
+        f"{report['global_batch']}, numpy input, {report.get('windows', '?')} interleaved windows of one fit call of "
+        f"{report.get('steps_per_fit_call', '?')} steps per variant. Devices are logical CPUs sharing the same 2 "
+        "cores, so more devices cannot be faster here: these numbers show paraml's overheads and memory layout, not a "
+        "GPU cluster's speed-ups.",
         "",
-        "| variant | samples/s | step ms | first step s | largest variable bytes on one device | peak RSS MiB |",
-        "|---|---|---|---|---|---|",
+        "| variant | samples/s | step ms | fit-call ms/step | fixed ms/call | first step s | largest variable bytes on "
+        "one device | peak RSS MiB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
         largest = max(r.variable_bytes_per_device.values(), default=0)
         lines.append(
-            f"| {r.label} | {r.samples_per_s:.0f} | {r.step_ms:.2f} | {r.first_step_s:.2f} | "
-            f"{format_bytes(largest) if largest else '-'} | {r.peak_rss_mib:.0f} |"
+            f"| {r.label} | {r.samples_per_s:.0f} | {r.step_ms:.2f} | {r.fit_call_ms:.2f} | {r.fixed_ms:.0f} | "
+            f"{r.first_step_s:.2f} | {format_bytes(largest) if largest else '-'} | {r.peak_rss_mib:.0f} |"
         )
-    lines += ["", "Ratios measured in the same run (windows interleaved):", ""]
-    lines += [f"- `{name}`: {value:.3f}" for name, value in report["ratios"].items()]
+    lines += ["", "Ratios measured in the same run (windows interleaved, medians of per-window ratios):", ""]
+    lines += _ratio_lines(report, markdown=True)
     lines += [
         "",
-        "Step times are steady-state: from the end of a fit call's first step to its last. The fixed cost of a fit "
-        "call (a new distributed iterator, about 0.1 s here) is paid once per call, not per epoch.",
+        "Step times are steady-state: from the end of a fit call's first step to its last. The fit-call time is a "
+        "whole `fit` call divided by its steps; the difference, times the steps, is the fixed cost of one call "
+        "(building the input pipeline and its iterator, callbacks). `xla` rows run with `jit_compile=True`; "
+        "`keras-fit-single` is plain `model.compile(); model.fit()` with no strategy.",
         "",
     ]
     return "\n".join(lines)
@@ -468,9 +663,13 @@ def write_plot(report: dict[str, Any], path: str) -> bool:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``paraml bench``."""
     parser.add_argument("--model", default="mlp", help=f"a preset ({', '.join(PRESETS)}) or MODULE:FUNCTION")
-    parser.add_argument("--quick", action="store_true", help="1 and 2 devices, micro-batches 1 and 4, fewer windows")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="1 and 2 devices, micro-batches 4, fewer windows, only the rows a ratio needs",
+    )
     parser.add_argument("--devices", default="1,2,4", help="device counts, e.g. 1,2,4")
-    parser.add_argument("--steps", type=int, default=20, help="steps per timed window")
+    parser.add_argument("--steps", type=int, default=31, help="steps per timed window (a fit call: steps + 1)")
     parser.add_argument("--windows", type=int, default=5, help="timed windows per variant (the median is reported)")
     parser.add_argument("--threads-per-device", type=int, default=0, help="intra-op threads (1: one core per device)")
     parser.add_argument("--no-multi-worker", action="store_true", help="skip the 2-worker launcher run")
@@ -487,11 +686,12 @@ def run_from_args(ns: argparse.Namespace) -> int:
     report = run_bench(
         ns.model,
         devices=devices,
-        micro_batches=(1, 4) if ns.quick else (1, 2, 4),
+        micro_batches=(4,) if ns.quick else (1, 2, 4),
         steps=ns.steps,
-        windows=3 if ns.quick else ns.windows,
+        windows=2 if ns.quick else ns.windows,
         threads_per_device=ns.threads_per_device,
         multi_worker=not ns.no_multi_worker,
+        quick=ns.quick,
     )
     print(format_report(report))
     if ns.json:
