@@ -402,15 +402,16 @@ def _finish(result: BenchResult, steps: int) -> None:
 
 
 #: name -> (numerator, denominator): the ratios ``paraml bench`` reports when both rows ran (< 1: the first is faster).
+#: ``{n}`` is the number of devices of the data-parallel rows (2 in ``paraml bench``, every GPU in gpu_check.py).
 RATIOS: dict[str, tuple[str, str]] = {
     "single_vs_keras_fit_single": ("single@1", "keras-fit-single@1"),
     "single_xla_vs_keras_fit_single": ("single@1 xla", "keras-fit-single@1"),
     "single_xla_vs_keras_fit_single_xla": ("single@1 xla", "keras-fit-single@1 xla"),
-    "paraml_vs_keras_fit": ("mirrored@2", "keras-fit-mirrored@2"),  # mirrored@2 / Keras fit, same strategy
-    "mirrored_xla_vs_keras_fit_mirrored": ("mirrored@2 xla", "keras-fit-mirrored@2"),
-    "paraml_vs_handwritten": ("mirrored@2", "handwritten-mirrored@2"),
+    "paraml_vs_keras_fit": ("mirrored@{n}", "keras-fit-mirrored@{n}"),  # mirrored / Keras fit, same strategy
+    "mirrored_xla_vs_keras_fit_mirrored": ("mirrored@{n} xla", "keras-fit-mirrored@{n}"),
+    "paraml_vs_handwritten": ("mirrored@{n}", "handwritten-mirrored@{n}"),
     "keras_fit_xla_vs_no_xla": ("keras-fit-single@1 xla", "keras-fit-single@1"),
-    "keras_fit_mirrored_vs_single": ("keras-fit-mirrored@2", "keras-fit-single@1"),
+    "keras_fit_mirrored_vs_single": ("keras-fit-mirrored@{n}", "keras-fit-single@1"),
 }
 
 #: The issue-13 targets: (ratio, at most). The best ``single`` variant is the faster of ``single`` and ``single xla``.
@@ -422,11 +423,12 @@ def _paired(a: Sequence[float], b: Sequence[float]) -> float:
     return statistics.median(x / y for x, y in zip(a, b))
 
 
-def compute_ratios(results: Sequence[BenchResult]) -> tuple[dict[str, float], dict[str, float]]:
-    """(steady-state ratios, whole-fit-call ratios) of :data:`RATIOS`, ``xla_vs_no_xla_<row>`` for every paraml row
-    with an XLA twin, and ``best_single_vs_keras_fit_single`` / ``best_mirrored_vs_keras_fit_mirrored``."""
+def compute_ratios(results: Sequence[BenchResult], devices: int = 2) -> tuple[dict[str, float], dict[str, float]]:
+    """(steady-state ratios, whole-fit-call ratios) of :data:`RATIOS` (data-parallel rows on ``devices`` devices),
+    ``xla_vs_no_xla_<row>`` for every paraml row with an XLA twin, and ``best_single_vs_keras_fit_single`` /
+    ``best_mirrored_vs_keras_fit_mirrored`` (the faster of the XLA and plain variant)."""
     by_label = {r.label: r for r in results if r.call_windows_ms}
-    pairs = dict(RATIOS)
+    pairs = {name: (a.format(n=devices), b.format(n=devices)) for name, (a, b) in RATIOS.items()}
     for label in by_label:
         if label.endswith(" xla") and not label.startswith("keras") and label[: -len(" xla")] in by_label:
             pairs[f"xla_vs_no_xla_{label[: -len(' xla')]}"] = (label, label[: -len(" xla")])
