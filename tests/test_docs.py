@@ -45,7 +45,15 @@ def test_there_are_snippets():
     assert len(list(snippets())) >= 5
 
 
-MODULES = ["paraml.parallel", "paraml.devices", "paraml.partition", "paraml.memory", "paraml.auto", "paraml.cluster"]
+MODULES = [
+    "paraml.parallel",
+    "paraml.training",
+    "paraml.devices",
+    "paraml.partition",
+    "paraml.memory",
+    "paraml.auto",
+    "paraml.cluster",
+]
 
 
 @pytest.mark.parametrize("name", MODULES)
