@@ -174,7 +174,7 @@ class Feed:
         ``epoch`` iterators before this one, so as many are made (and dropped, unread) first.
         """
         source = self.source
-        if resumed and not source.continues and not source.spans_epochs:
+        if resumed and source.kind == "dataset" and not source.continues:  # (a generator would be read)
             for _ in range(epoch):
                 iter(source.dataset(epoch))
         if source.continues:
