@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="paraml-bench-faults-"))
     launch_common = ["--stop-timeout", str(args.stop_timeout)]
-    script_common = ["--epochs", str(args.epochs), "--checkpoint-every", str(args.checkpoint_every)]
+    script_common = ["--clock", "--epochs", str(args.epochs), "--checkpoint-every", str(args.checkpoint_every)]
     try:
         reference = run_job(root / "reference", launch_common, script_common, args.timeout)
         if reference["code"] != 0:

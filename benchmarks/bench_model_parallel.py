@@ -84,8 +84,6 @@ def main(argv: list[str] | None = None) -> int:
 
     devices = paraml.ensure_devices(max(MEMORY_STAGES + (TIMED_STAGES,)))  # before anything touches a device
 
-    import json
-
     import keras
     import numpy as np
 
@@ -337,11 +335,9 @@ def main(argv: list[str] | None = None) -> int:
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         },
     }
-    line = json.dumps(record, sort_keys=True)
-    print("JSON " + line, flush=True)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            handle.write(line + "\n")
+    from common import write_json  # imported here: it imports TensorFlow, which must not start before the devices
+
+    write_json(record, args.json)
     return 0
 
 

@@ -20,7 +20,6 @@ It prints a table, the ratios, and one JSON line (``JSON {...}``), also written 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -134,11 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": ratios,
         "fit_call_ratios": call_ratios,
     }
-    line = json.dumps(record, sort_keys=True)
-    print("JSON " + line, flush=True)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            handle.write(line + "\n")
+    from common import write_json  # imported here: it imports TensorFlow, which must not start before the devices
+
+    write_json(record, args.json)
     return 0
 
 
