@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from paraml import Parallel
     from paraml.bench import GLOBAL_BATCH, _step_clock, variable_bytes_per_device
-    from paraml.memory import format_bytes
+    from paraml.sizes import format_bytes
 
     def log(message: str) -> None:
         print(f"[bench_model_parallel] {message}", file=sys.stderr, flush=True)

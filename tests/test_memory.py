@@ -17,14 +17,13 @@ import pytest  # noqa: E402
 from paraml.memory import (  # noqa: E402
     MemoryEstimate,
     estimate_memory,
-    format_bytes,
     layer_costs,
     model_units,
     observe_units,
     optimizer_slots_per_param,
-    parse_size,
 )
 from paraml.partition import LayerCost, plan_balanced  # noqa: E402
+from paraml.sizes import format_bytes, parse_size  # noqa: E402
 
 F32 = 4  # bytes per float32
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .memory import MemoryEstimate, format_bytes
+from .memory import MemoryEstimate
+from .sizes import format_bytes
 
 __all__ = ["AutoDecision", "decide"]
 

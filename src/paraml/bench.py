@@ -575,7 +575,7 @@ def _ratio_lines(report: dict[str, Any], markdown: bool) -> list[str]:
 
 def format_report(report: dict[str, Any]) -> str:
     """The benchmark as a terminal table followed by the ratios."""
-    from .memory import format_bytes
+    from .sizes import format_bytes
 
     lines = [f"model {report['model']}, global batch {report['global_batch']}, machine {report['machine']}", ""]
     lines.append(
@@ -601,7 +601,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 def format_markdown(report: dict[str, Any], command: str) -> str:
     """The benchmark as a Markdown results page (``docs/results.md`` is one)."""
-    from .memory import format_bytes
+    from .sizes import format_bytes
 
     machine = report["machine"]
     lines = [

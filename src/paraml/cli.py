@@ -19,7 +19,7 @@ def _demo(ns: argparse.Namespace) -> int:
 
 def _devices(ns: argparse.Namespace) -> int:
     from .devices import describe_devices, simulate_devices
-    from .memory import format_bytes
+    from .sizes import format_bytes
 
     if ns.simulate:
         simulate_devices(ns.simulate)

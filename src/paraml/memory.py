@@ -1,4 +1,4 @@
-"""Memory estimates for Keras models and human-readable byte sizes.
+"""Memory estimates for Keras models.
 
 Importing this module is cheap: Keras and TensorFlow are imported lazily,
 inside the functions that need them.
@@ -20,19 +20,16 @@ What :func:`estimate_memory` counts (all exact except activations):
   ``batch_size`` rows.  It is not multiplied by any factor: temporary buffers
   inside a layer and the backward pass's own intermediates are not counted.
 
-Example:
-    >>> parse_size("1.5 KiB"), format_bytes(1536)
-    (1536, '1.50 KiB')
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import TYPE_CHECKING, Any
+
+from .sizes import dtype_size, format_bytes, nbytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from .partition import LayerCost
@@ -43,100 +40,12 @@ __all__ = [
     "Observation",
     "Unit",
     "estimate_memory",
-    "format_bytes",
     "layer_costs",
     "model_units",
     "observe_units",
     "optimizer_slots_per_param",
-    "parse_size",
     "probe_inputs",
 ]
-
-# ----------------------------------------------------------------------------- sizes
-
-_UNITS: dict[str, int] = {
-    "b": 1,
-    "kb": 1000,
-    "mb": 1000**2,
-    "gb": 1000**3,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
-_ACCEPTED_UNITS = "B, KB, MB, GB, TB (powers of 1000) and KiB, MiB, GiB, TiB (powers of 1024)"
-_SIZE_RE = re.compile(r"^\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*$")
-_IEC = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
-
-
-def parse_size(value: int | str) -> int:
-    """Convert a size such as ``"2GiB"`` or ``"1.5GB"`` to a number of bytes.
-
-    Ints are taken as bytes.  Strings are a number, optional spaces and an
-    optional case-insensitive unit: ``B``, ``KB``/``MB``/``GB``/``TB`` (SI,
-    powers of 1000) or ``KiB``/``MiB``/``GiB``/``TiB`` (IEC, powers of 1024).
-    Fractional results are rounded to the nearest byte; a plain byte count
-    must be a whole number.
-
-    Raises:
-        ValueError: for negative sizes, unknown units or unparsable input.
-
-    Example:
-        >>> parse_size("2GiB"), parse_size("1.5GB"), parse_size("100kB"), parse_size(1024)
-        (2147483648, 1500000000, 100000, 1024)
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"size must be an int number of bytes or a string, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"size must be >= 0 bytes, got {value}")
-        return value
-    if not isinstance(value, str):
-        raise ValueError(
-            f"size must be an int number of bytes or a string such as '2GiB', got {value!r}; "
-            f"accepted units: {_ACCEPTED_UNITS}"
-        )
-    match = _SIZE_RE.match(value)
-    if match is None:
-        raise ValueError(
-            f"cannot parse size {value!r}; expected a number and an optional unit, "
-            f"e.g. '512MiB' or '1.5GB'; accepted units: {_ACCEPTED_UNITS}"
-        )
-    number, unit = match.groups()
-    multiplier = _UNITS.get(unit.lower() if unit else "b")
-    if multiplier is None:
-        raise ValueError(f"unknown unit {unit!r} in size {value!r}; accepted units: {_ACCEPTED_UNITS}")
-    amount = Fraction(number) * multiplier
-    if amount < 0:
-        raise ValueError(f"size must be >= 0 bytes, got {value!r}")
-    if multiplier == 1 and amount.denominator != 1:
-        raise ValueError(f"size {value!r} is not a whole number of bytes")
-    return math.floor(amount + Fraction(1, 2))
-
-
-def format_bytes(n: int) -> str:
-    """Format a byte count with IEC units and two decimals.
-
-    Example:
-        >>> [format_bytes(x) for x in (0, 512, 1536, 2 * 1024**3)]
-        ['0 B', '512 B', '1.50 KiB', '2.00 GiB']
-    """
-    n = int(n)
-    if n < 0:
-        return "-" + format_bytes(-n)
-    if n < 1024:
-        return f"{n} B"
-    unit = 0
-    value = float(n)
-    while value >= 1024 and unit < len(_IEC) - 1:
-        value /= 1024
-        unit += 1
-    if round(value, 2) >= 1024 and unit < len(_IEC) - 1:  # e.g. 1023.999 KiB -> 1.00 MiB
-        value /= 1024
-        unit += 1
-    return f"{value:.2f} {_IEC[unit]}"
-
 
 # ------------------------------------------------------------------------ optimizers
 
@@ -236,7 +145,7 @@ def _slot_bytes(optimizer: Any, variables: list[Any]) -> int:
     with scope:  # a Keras optimizer must be created under the variables' strategy
         fresh = _fresh_optimizer(optimizer)
         fresh.build(variables)
-        total = sum(_nbytes(v) for v in fresh.variables if len(v.shape) > 0)
+        total = sum(nbytes(v) for v in fresh.variables if len(v.shape) > 0)
     del fresh
     return total
 
@@ -282,43 +191,6 @@ def optimizer_slots_per_param(optimizer: Any) -> int:
 
 
 # -------------------------------------------------------------------------- estimates
-
-_DTYPE_SIZES: dict[str, int] = {
-    "bool": 1,
-    "int8": 1,
-    "uint8": 1,
-    "int16": 2,
-    "uint16": 2,
-    "float16": 2,
-    "bfloat16": 2,
-    "int32": 4,
-    "uint32": 4,
-    "float32": 4,
-    "int64": 8,
-    "uint64": 8,
-    "float64": 8,
-    "complex64": 8,
-    "complex128": 16,
-}
-
-
-def _dtype_size(dtype: Any) -> int:
-    name = str(getattr(dtype, "name", dtype))
-    if name in _DTYPE_SIZES:
-        return _DTYPE_SIZES[name]
-    if name.startswith("float8"):
-        return 1
-    import numpy as np
-
-    try:
-        return int(np.dtype(name).itemsize)
-    except TypeError:
-        return 4
-
-
-def _nbytes(variable: Any) -> int:
-    return math.prod(int(d) for d in variable.shape) * _dtype_size(variable.dtype)
-
 
 def _unique(variables: Any) -> list[Any]:
     seen: set[int] = set()
@@ -461,7 +333,7 @@ def _output_bytes(layer: Any, batch_size: int) -> tuple[int | None, bool]:
                     unknown_dims = True
                     dim = 1
             elements *= int(dim)
-        total += elements * _dtype_size(tensor.dtype)
+        total += elements * dtype_size(tensor.dtype)
     return total, unknown_dims
 
 
@@ -569,7 +441,7 @@ def _shape_bytes(value: Any) -> int:
         elements = 1
         for dim in shape:
             elements *= int(dim) if dim is not None else 1
-        total += elements * _dtype_size(dtype)
+        total += elements * dtype_size(dtype)
     return total
 
 
@@ -681,7 +553,7 @@ def observe_units(model: Any, *, rows: int = PROBE_ROWS) -> Observation:
         [('d', 60, 60)]
     """
     units = model_units(model)
-    params = [sum(_nbytes(v) for v in _unique(layer.weights)) for _, layer in units]
+    params = [sum(nbytes(v) for v in _unique(layer.weights)) for _, layer in units]
     problems: list[str] = []
     for unknown in PROBE_DIMS:
         try:
@@ -774,8 +646,8 @@ def estimate_memory(
     model = _resolve_model(model)
     all_vars = _unique(model.weights)
     trainable = _unique(model.trainable_variables)
-    parameters = sum(_nbytes(v) for v in all_vars)
-    gradients = sum(_nbytes(v) for v in trainable)
+    parameters = sum(nbytes(v) for v in all_vars)
+    gradients = sum(nbytes(v) for v in trainable)
     notes: list[str] = []
     slots: int | None = None
     if exact_slots and trainable:

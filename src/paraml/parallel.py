@@ -19,9 +19,10 @@ from .checkpoint import CheckpointState, latest_checkpoint, restore_checkpoint, 
 from .cluster import parse_tf_config
 from .data import GlobalBatches, global_batches, split_validation
 from .devices import device_memory, resolve_devices
-from .memory import estimate_memory, parse_size
+from .memory import estimate_memory
 from .partition import PartitionPlan
 from .preemption import PreemptionGuard
+from .sizes import parse_size
 from .training import Trainer, check_compile_names, make_optimizer, zeros_like_spec
 
 __all__ = ["Parallel"]

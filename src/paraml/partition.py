@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .memory import format_bytes
+from .sizes import format_bytes
 
 __all__ = [
     "PARTITION_CHOICES",

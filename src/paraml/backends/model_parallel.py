@@ -36,8 +36,9 @@ import keras
 import tensorflow as tf
 
 from ..devices import device_memory
-from ..memory import Observation, format_bytes, model_units, observe_units, optimizer_slots_per_param, parse_size
+from ..memory import Observation, model_units, observe_units, optimizer_slots_per_param
 from ..partition import LayerCost, PartitionPlan, Stage, layer_cost, make_plan
+from ..sizes import format_bytes, parse_size
 from .base import Backend, DeviceSpec, Objective
 from .registry import register
 
