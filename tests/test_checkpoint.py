@@ -180,7 +180,7 @@ def test_bad_checkpoint_arguments(tmp_path, data):
     par = make("single")
     with pytest.raises(ValueError, match="checkpoint_every needs checkpoint_dir"):
         par.fit(x, y, checkpoint_every=5, verbose=0)
-    with pytest.raises(ValueError, match="keep must be a positive int"):
+    with pytest.raises(ValueError, match="keep must be an int >= 1"):
         par.save(tmp_path, keep=0)
 
 

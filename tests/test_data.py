@@ -265,7 +265,7 @@ def bad_inputs():
     one_output = {"batch_size": 4, "num_replicas": 2}
     return [
         ((x, y), {"batch_size": 1}, "batch_size=1 is smaller than the number of replicas"),
-        ((x, y), {"batch_size": 0}, "batch_size must be a positive int"),
+        ((x, y), {"batch_size": 0}, "batch_size must be an int >= 1 or None, got 0"),
         ((x, y[:5]), {}, "x and y have different lengths: x has 10 samples, y has 5"),
         (([x, x[:3]], y), {}, r"different lengths: \[3, 10\]"),
         ((x[:0], y[:0]), {}, "x is empty"),
@@ -287,7 +287,7 @@ def bad_inputs():
         ((ds.map(lambda a, b: (a, b, b)),), {"class_weight": {0: 2.0}}, "yields sample weights: class_weight"),
         ((ds.map(lambda a, b: (a, b, b, b)),), {}, "yields 4-tuples"),
         ((ds.map(lambda a, b: a),), {}, "yields no targets"),
-        ((x, y), {"steps": 0}, "steps must be a positive int"),
+        ((x, y), {"steps": 0}, "steps must be an int >= 1 or None, got 0"),
         ((x, y), {"shuffle": "yes"}, "shuffle must be True, False or 'batch'"),
         ((iter([]),), {}, "the generator yielded nothing"),
         ((iter([(x, y, y, y)]),), {}, "yielded a 4-tuple"),

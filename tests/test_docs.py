@@ -51,6 +51,10 @@ MODULES = [
     "paraml.devices",
     "paraml.partition",
     "paraml.memory",
+    "paraml.units",
+    "paraml.optimizers",
+    "paraml.sizes",
+    "paraml.checks",
     "paraml.auto",
     "paraml.cluster",
 ]
@@ -68,3 +72,41 @@ def test_reference_names_every_public_name():
     reference = (ROOT / "docs" / "reference.md").read_text()
     missing = [name for name in paraml.__all__ if f"`{name}" not in reference]
     assert not missing, f"docs/reference.md does not document: {missing}"
+
+
+def _table(heading: str) -> list[list[str]]:
+    """The rows (cells) of the first table under ``heading`` in docs/reference.md."""
+    text = (ROOT / "docs" / "reference.md").read_text()
+    section = text.split(heading, 1)[1]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows[2:]]
+
+
+def _names(cell: str) -> set[str]:
+    """The backticked identifiers of a table cell (``name`` or ``name(...)``)."""
+    return {re.match(r"[\w.]+", name).group(0) for name in re.findall(r"`([^`]+)`", cell)}
+
+
+def test_reference_module_table_is_the_code():
+    rows = _table("## Modules")
+    documented = {_names(module).pop(): (kind, _names(names)) for module, kind, names in rows}
+    import paraml
+
+    package = Path(paraml.__file__).parent
+    on_disk = {  # every module, as imported; those whose file starts with "_" are run, not imported
+        ".".join(("paraml", *p.relative_to(package).with_suffix("").parts)).removesuffix(".__init__")
+        for p in package.rglob("*.py")
+        if not p.name.startswith("_") or p.name == "__init__.py"
+    }
+    assert set(documented) == on_disk, "docs/reference.md's module table and src/paraml differ"
+    for module, (kind, names) in documented.items():
+        assert kind in ("public", "internal"), f"{module}: kind must be public or internal, got {kind!r}"
+        assert names == set(importlib.import_module(module).__all__), f"{module}: names differ from __all__"
+
+
+def test_reference_contract_table_is_the_code():
+    from paraml.backends import Backend
+
+    documented = set().union(*(_names(member) for member, *_ in _table("## The backend contract")))
+    members = {name for name in vars(Backend) if not name.startswith("_")} | set(Backend.__annotations__)
+    assert documented == members

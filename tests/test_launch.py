@@ -433,7 +433,7 @@ def test_main_runs_the_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 @pytest.mark.parametrize(
     ("argv", "fragment"),
     [
-        (["-n", "0", "{script}"], "number of workers must be an integer >= 1, got 0"),
+        (["-n", "0", "{script}"], "number of workers must be an int >= 1, got 0"),
         (["{missing}"], "script not found: {missing}"),
         (["--port", "65535", "-n", "2", "{script}"], "65535..65536"),
     ],
@@ -694,7 +694,7 @@ def test_max_restarts_must_be_a_non_negative_int(tmp_path: Path, bad: object) ->
 @pytest.mark.parametrize(
     ("value", "fragment"),
     [
-        ("-1", "paraml launch: error: the number of restarts (--max-restarts) must be an integer >= 0, got -1"),
+        ("-1", "paraml launch: error: the number of restarts (--max-restarts) must be an int >= 0, got -1"),
         ("two", "argument --max-restarts: invalid int value: 'two'"),
     ],
 )

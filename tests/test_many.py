@@ -159,9 +159,9 @@ def test_job_seed_defaults_to_a_stable_hash_of_the_name(data):
 
 
 def test_fit_many_rejects_duplicate_names_and_empty_lists(data):
-    with pytest.raises(ValueError, match="duplicate job name 'a'"):
+    with pytest.raises(ValueError, match="the name 'a' appears twice"):
         fit_many([classifier_job("a", data), classifier_job("b", data), classifier_job("a", data)], verbose=0)
-    with pytest.raises(ValueError, match="no jobs"):
+    with pytest.raises(ValueError, match="jobs is empty"):
         fit_many([], verbose=0)
     with pytest.raises(TypeError, match="single Job"):
         fit_many(classifier_job("a", data), verbose=0)

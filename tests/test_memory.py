@@ -1,4 +1,4 @@
-"""Tests for paraml.memory.
+"""Tests for paraml.memory, paraml.units and paraml.optimizers.
 
 Expected byte counts are worked out by hand from the layer shapes, not by
 calling the code under test.
@@ -14,16 +14,17 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from paraml.memory import (  # noqa: E402
-    MemoryEstimate,
-    estimate_memory,
-    layer_costs,
-    model_units,
-    observe_units,
-    optimizer_slots_per_param,
-)
+from paraml.memory import MemoryEstimate, estimate_memory, layer_costs  # noqa: E402
+from paraml.optimizers import fresh_optimizer, optimizer_slots_per_param, slot_bytes  # noqa: E402
 from paraml.partition import LayerCost, plan_balanced  # noqa: E402
 from paraml.sizes import format_bytes, parse_size  # noqa: E402
+from paraml.units import (  # noqa: E402
+    build_on_host,
+    model_units,
+    observation_notes,
+    observe_units,
+    unit_costs,
+)
 
 F32 = 4  # bytes per float32
 
@@ -180,6 +181,76 @@ def test_slots_per_param_does_not_touch_the_given_optimizer() -> None:
     opt = keras.optimizers.Adam()
     optimizer_slots_per_param(opt)
     assert not opt.built
+
+
+@pytest.mark.parametrize("name", ["adam", "Adam", "ADAM", " adam "])
+def test_fresh_optimizer_name_is_case_insensitive(name: str) -> None:
+    opt = fresh_optimizer(name)
+    assert type(opt) is keras.optimizers.Adam
+    assert not opt.built
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [
+        ("schedule_free_adamw", "ScheduleFreeAdamW"),
+        ("Lamb", "Lamb"),  # keras.optimizers.get does not know it by name
+        ("rms-prop", "RMSprop"),
+        ("sgd", "SGD"),
+    ],
+)
+def test_fresh_optimizer_names_from_the_table(name: str, cls: str) -> None:
+    assert type(fresh_optimizer(name)) is getattr(keras.optimizers, cls)
+
+
+def test_fresh_optimizer_from_a_config_dict_leaves_the_dict_alone() -> None:
+    config = {"class_name": "Adam", "config": {"learning_rate": 0.25}}
+    opt = fresh_optimizer(config)
+    assert type(opt) is keras.optimizers.Adam
+    assert float(opt.learning_rate) == 0.25
+    assert config == {"class_name": "Adam", "config": {"learning_rate": 0.25}}
+    lamb = fresh_optimizer(keras.optimizers.serialize(keras.optimizers.Lamb(learning_rate=0.5)))
+    assert type(lamb) is keras.optimizers.Lamb
+    assert float(lamb.learning_rate) == 0.5
+
+
+def test_fresh_optimizer_recreates_an_instance_with_its_config() -> None:
+    opt = keras.optimizers.RMSprop(learning_rate=0.5, momentum=0.9, centered=True)
+    fresh = fresh_optimizer(opt)
+    assert fresh is not opt and type(fresh) is keras.optimizers.RMSprop
+    assert (float(fresh.learning_rate), fresh.momentum, fresh.centered) == (0.5, 0.9, True)
+    custom = fresh_optimizer(_TwoSlotOptimizer(learning_rate=0.1))
+    assert type(custom) is _TwoSlotOptimizer
+
+
+@pytest.mark.parametrize("identifier", ["adamz", None, 42, {"class_name": "nope", "config": {}}, keras.optimizers.Adam])
+def test_fresh_optimizer_unknown(identifier: object) -> None:
+    with pytest.raises(ValueError, match=r"^unknown optimizer .*known names: adadelta, .*, sgd"):
+        fresh_optimizer(identifier)
+
+
+def test_fresh_optimizer_bad_config_says_why() -> None:
+    with pytest.raises(ValueError, match=r"invalid config for keras.optimizers.Adam in \{.*ValueError.*'bogus'"):
+        fresh_optimizer({"class_name": "adam", "config": {"bogus": 1}})
+
+
+def test_fresh_optimizer_under_a_strategy_scope() -> None:
+    import tensorflow as tf
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    given = keras.optimizers.Adam()  # made outside any scope
+    with strategy.scope():
+        model = _dense_model()
+        opt = fresh_optimizer(given)
+        opt.build(model.trainable_variables)
+        assert opt.iterations.value.distribute_strategy is strategy
+    assert not given.built
+
+
+def test_slot_bytes_counts_slots_in_the_variables_dtype() -> None:
+    kernel = keras.Variable(np.zeros((4, 3), "float16"))
+    assert slot_bytes("adam", [kernel]) == 2 * 12 * 2
+    assert slot_bytes(keras.optimizers.SGD(), [kernel]) == 0
 
 
 # ----------------------------------------------------------------- models
@@ -410,7 +481,104 @@ def test_layer_costs_skip_input_layers_of_functional_models() -> None:
     assert names == ["emb", "pool", "out"]
 
 
-def test_memory_module_import_is_cheap() -> None:
+def test_layer_costs_errors() -> None:
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got True"):
+        layer_costs(_dense_model(), batch_size=True)
+    with pytest.raises(ValueError, match="not built"):
+        layer_costs(keras.Sequential([keras.layers.Dense(2)]), batch_size=1)
+
+
+# ----------------------------------------------------------------- units
+
+
+def test_unit_costs_scale_to_the_batch_and_match_the_estimate() -> None:
+    model = _conv_model()
+    observation = observe_units(model)
+    costs = unit_costs(observation, 4)
+    assert costs == [
+        LayerCost("conv", (3 * 3 * 1 * 2 + 2) * F32, 4 * 6 * 6 * 2 * F32),
+        LayerCost("flat", 0, 4 * 72 * F32),
+        LayerCost("out", (72 + 1) * F32, 4 * 1 * F32),
+    ]
+    est = estimate_memory(model, batch_size=4)
+    assert est.per_layer == tuple((c.name, c.param_bytes, c.activation_bytes) for c in costs)
+    assert observation_notes(observation) == []
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
+        unit_costs(observation, 0)
+
+
+def test_unit_costs_fall_back_to_symbolic_outputs_when_the_model_cannot_be_called() -> None:
+    class Refuses(keras.layers.Layer):
+        def call(self, x):  # noqa: ANN001, ANN201
+            raise RuntimeError("no real data, please")
+
+        def compute_output_shape(self, input_shape):  # noqa: ANN001, ANN201
+            return input_shape  # so the functional model has a symbolic output for it
+
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(3, name="d")(inputs)
+    model = keras.Model(inputs, Refuses(name="refuses")(h))
+    observation = observe_units(model)
+    assert observation.problem.startswith(f"model {model.name!r} could not be called on a probe batch (RuntimeError")
+    assert unit_costs(observation, 5) == [
+        LayerCost("d", (4 * 3 + 3) * F32, 5 * 3 * F32),
+        LayerCost("refuses", 0, 5 * 3 * F32),
+    ]
+    assert observation_notes(observation) == [f"{observation.problem}: units in declaration order"]
+
+
+def test_observation_notes_name_units_without_activations() -> None:
+    class NeedsTwo(keras.Model):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = keras.layers.Dense(3, name="a")
+            self.a.build((None, 4))
+
+        def call(self, pair):  # noqa: ANN001, ANN201
+            return self.a(pair[0]) + pair[1]
+
+    model = NeedsTwo()
+    model.build((2, 4))
+    observation = observe_units(model)
+    assert unit_costs(observation, 3) == [LayerCost("a", (4 * 3 + 3) * F32, 0)]
+    notes = observation_notes(observation)
+    assert notes[0].endswith("units in declaration order")
+    assert notes[1] == "activations unknown (counted as 0) for: a"
+
+
+def test_build_on_host_records_variables_and_observes_once() -> None:
+    host = build_on_host(_dense_model)
+    assert [tuple(v.shape) for v in host.created] == [(4, 3), (3,), (3, 2), (2,)]
+    assert all("CPU" in v.device for v in host.created)
+    first = host.observe()
+    assert [u.name for u in first.units] == ["d1", "d2"]
+    assert host.observe() is first
+
+
+def test_host_model_refuses_a_model_that_creates_variables_when_called() -> None:
+    class Lazy(keras.Model):
+        def __init__(self) -> None:
+            super().__init__()
+            self.d = keras.layers.Dense(2, name="d")
+
+        def build(self, input_shape):  # noqa: ANN001, ANN201
+            self.w = self.add_weight(shape=(1,), name="w")  # a weight, but not the Dense's
+
+        def call(self, x):  # noqa: ANN001, ANN201
+            return self.d(x) * self.w
+
+    def make() -> keras.Model:
+        model = Lazy()
+        model.build((None, 4))
+        return model
+
+    host = build_on_host(make)
+    with pytest.raises(ValueError, match="created variables when it was first called"):
+        host.observe()
+
+
+@pytest.mark.parametrize("module", ["memory", "units", "optimizers"])
+def test_module_import_is_cheap(module: str) -> None:
     import subprocess
     import sys
     from pathlib import Path
@@ -423,7 +591,7 @@ def test_memory_module_import_is_cheap() -> None:
         "pkg = types.ModuleType('paraml_probe')\n"
         f"pkg.__path__ = [{package_dir!r}]\n"
         "sys.modules['paraml_probe'] = pkg\n"
-        "importlib.import_module('paraml_probe.memory')\n"
+        f"importlib.import_module('paraml_probe.{module}')\n"
         "bad = sorted(m for m in ('tensorflow', 'keras', 'numpy') if m in sys.modules)\n"
         "assert not bad, bad\n"
     )

@@ -1,4 +1,8 @@
-"""multi_worker: real 2-worker runs through `paraml launch` (each worker is its own process, field notes 5)."""
+"""multi_worker: real 2-worker runs through `paraml launch`.
+
+Each worker is its own process: MultiWorkerMirroredStrategy must be created before TensorFlow initialises its devices,
+which a test process has long done (docs/tensorflow-notes.md).
+"""
 
 import os
 import subprocess

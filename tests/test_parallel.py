@@ -184,7 +184,7 @@ def test_a_model_without_an_input_shape_is_built_at_its_first_batch(data_1001):
 
 
 def test_bad_steps_per_execution_and_seed():
-    with pytest.raises(ValueError, match="steps_per_execution must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="steps_per_execution must be an int >= 1, got 0"):
         Parallel("single", steps_per_execution=0)
     with pytest.raises(ValueError, match="seed must be an int"):
         Parallel("single", seed="x")

@@ -58,10 +58,14 @@ def test_layer_cost_formula() -> None:
 
 
 def test_layer_cost_rejects_negative_bytes() -> None:
-    with pytest.raises(ValueError, match="param_bytes"):
+    with pytest.raises(ValueError, match="LayerCost 'd': param_bytes must be an int >= 0, got -1"):
         LayerCost("d", -1, 0)
-    with pytest.raises(ValueError, match="activation_bytes"):
+    with pytest.raises(ValueError, match="LayerCost 'd': activation_bytes must be an int >= 0, got -5"):
         LayerCost("d", 0, -5)
+    with pytest.raises(ValueError, match="param_bytes must be an int >= 0, got True"):
+        LayerCost("d", True, 0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="activation_bytes must be an int >= 0, got 1.5"):
+        LayerCost("d", 0, 1.5)  # type: ignore[arg-type]
 
 
 def test_stage_and_plan_properties() -> None:
@@ -225,8 +229,12 @@ def test_error_partition_of_wrong_type() -> None:
 
 @pytest.mark.parametrize("planner", [plan_balanced, plan_even])
 def test_error_num_stages_below_one(planner) -> None:  # noqa: ANN001
-    with pytest.raises(ValueError, match="num_stages must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="num_stages must be an int >= 1, got 0"):
         planner(_uniform(3), 0)
+    with pytest.raises(ValueError, match="num_stages must be an int >= 1, got True"):
+        planner(_uniform(3), True)
+    with pytest.raises(ValueError, match="num_stages must be an int >= 1, got 2.0"):
+        planner(_uniform(3), 2.0)
 
 
 @pytest.mark.parametrize("planner", [plan_balanced, plan_even])
@@ -241,7 +249,7 @@ def test_error_more_stages_than_layers_explicit() -> None:
 
 
 def test_error_empty_model_and_duplicate_names() -> None:
-    with pytest.raises(ValueError, match="no layers"):
+    with pytest.raises(ValueError, match="the list of layer costs is empty"):
         plan_balanced([], 1)
     with pytest.raises(ValueError, match="'x' appears twice"):
         plan_balanced([LayerCost("x", 1, 1), LayerCost("x", 1, 1)], 1)

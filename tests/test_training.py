@@ -249,7 +249,7 @@ def test_bad_fit_arguments_fail_before_anything_changes(tmp_path, data_1001):
     par = make()
     par.save(tmp_path)
     before = [w.copy() for w in par.model.get_weights()]
-    for kwargs, message in [({"keep": 0}, "keep must be a positive int"), ({"verbose": 7}, "verbose must be")]:
+    for kwargs, message in [({"keep": 0}, "keep must be an int >= 1"), ({"verbose": 7}, "verbose must be")]:
         with pytest.raises(ValueError, match=message):
             par.fit(x, y, checkpoint_dir=tmp_path, **kwargs)
     for a, b in zip(before, par.model.get_weights()):

@@ -2,23 +2,38 @@
 
 The rule, in order:
 
-1. ``TF_CONFIG`` describes a cluster of more than one worker -> ``multi_worker``;
+1. ``TF_CONFIG`` describes a cluster of more than one worker -> ``multi_worker`` (decided at once: that strategy
+   must exist at program start);
 2. more than one device, and the estimated training memory fits on one device -> ``mirrored``;
 3. more than one device (the model does not fit on one) -> ``model_parallel`` with a balanced partition;
 4. otherwise -> ``single``.
 
 Device memory comes from TensorFlow where it can tell (GPUs), else from the ``device_memory`` option
 (``"2GiB"``, ``"512MB"`` or bytes). Unknown memory counts as "fits": data parallelism is the faster default.
+
+:func:`decide` is the pure rule; :class:`AutoChoice` measures the model (built once on the host, and handed to the
+chosen backend so that ``model_parallel`` plans from that build instead of making its own).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from .memory import MemoryEstimate
-from .sizes import format_bytes
+from .sizes import format_bytes, parse_size
 
-__all__ = ["AutoDecision", "decide"]
+if TYPE_CHECKING:  # pragma: no cover
+    import keras
+
+    from .backends.base import Backend, DeviceSpec
+    from .units import HostModel
+
+__all__ = ["AUTO_OPTIONS", "AutoChoice", "AutoDecision", "decide"]
+
+#: Options of ``Parallel("auto")``: its own, and those it passes to ``model_parallel`` if it picks it.
+AUTO_OPTIONS = ("device_memory", "batch_size", "partition", "micro_batches")
 
 
 @dataclass(frozen=True)
@@ -69,3 +84,53 @@ def decide(
     else:
         strategy = "model_parallel"
     return AutoDecision(strategy, num_workers, num_devices, estimate, device_memory)
+
+
+class AutoChoice:
+    """The pending choice of ``Parallel("auto", devices, **options)``: made at once for a cluster, else at build.
+
+    ``backend`` is the chosen backend (None until chosen), ``decision`` the :class:`AutoDecision` behind it.
+    """
+
+    def __init__(self, devices: DeviceSpec, options: dict[str, Any]) -> None:
+        from . import backends
+        from .cluster import parse_tf_config
+
+        self.devices = devices
+        self.options = dict(options)
+        if self.options.get("device_memory") is not None:
+            self.options["device_memory"] = parse_size(self.options["device_memory"])
+        self.backend: Backend | None = None
+        self.decision: AutoDecision | None = None
+        cluster = parse_tf_config()
+        if cluster is not None and cluster.num_workers > 1:  # decided now: the strategy must exist at program start
+            self.decision = decide(num_workers=cluster.num_workers, num_devices=0, estimate=None, device_memory=None)
+            self.backend = backends.get_backend("multi_worker")(devices)
+
+    def local_devices(self) -> tuple[str, ...]:
+        """The devices the choice is made among."""
+        from .devices import resolve_devices
+
+        return resolve_devices(self.devices)
+
+    def choose(self, model_fn: Callable[[], keras.Model], optimizer: Any) -> tuple[Backend, HostModel | None]:
+        """Measure the model, apply :func:`decide`, create the chosen backend; return it and the host build of the
+        model when one was made (for the backend's ``build_model``)."""
+        from . import backends
+        from .devices import device_memory
+        from .memory import estimate_memory
+        from .units import build_on_host
+
+        devices = self.local_devices()
+        memory = self.options.get("device_memory")
+        if memory is None:
+            memory = device_memory(devices[0])
+        estimate, host = None, None
+        if len(devices) > 1:  # measured on the host: the model may not fit on one accelerator
+            host = build_on_host(model_fn)
+            estimate = estimate_memory(host.model, batch_size=self.options.get("batch_size", 32), optimizer=optimizer)
+        self.decision = decide(num_workers=1, num_devices=len(devices), estimate=estimate, device_memory=memory)
+        chosen = backends.get_backend(self.decision.strategy)
+        passed = {k: v for k, v in self.options.items() if k in chosen.option_names}
+        self.backend = chosen(self.devices if len(devices) > 1 else devices, **passed)
+        return self.backend, host

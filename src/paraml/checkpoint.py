@@ -11,21 +11,42 @@ A save writes a new ``ckpt-N`` under a temporary name, renames it into place and
 Variables are stored by their position in ``model.weights`` and ``optimizer.variables``, not by name: Keras numbers
 auto-named layers per process, and every backend builds the same model from the same ``model_fn``, so positions are
 what stays the same across backends and processes. Alongside: the epoch and step reached and the shuffling seed.
+
+:class:`Checkpointing` is what ``fit(checkpoint_dir=...)`` does with them, in one place: resume from the newest
+checkpoint (every worker agreeing on which), save at each epoch's end, every N steps and where training stops, and
+turn SIGTERM/SIGINT into a stop at the next step (:class:`paraml.preemption.PreemptionGuard`).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["CheckpointState", "latest_checkpoint", "restore_checkpoint", "save_checkpoint"]
+from .checks import check_int
+from .preemption import Preempted, PreemptionGuard
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .training import Trainer
+
+__all__ = [
+    "CheckpointState",
+    "Checkpointing",
+    "check_writable",
+    "latest_checkpoint",
+    "restore_checkpoint",
+    "save_checkpoint",
+]
 
 _LATEST = "latest"
 _PREFIX = "ckpt"  # file prefix inside a checkpoint folder
@@ -82,8 +103,7 @@ def save_checkpoint(
     writes to a temporary folder that is deleted at once, as TensorFlow's convention asks: every worker takes part,
     only the chief's copy stays.
     """
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise ValueError(f"keep must be a positive int or None, got {keep!r}")
+    check_int("keep", keep, none_ok=True)
     checkpoint = tf.train.Checkpoint(
         **_trackables(model, optimizer),
         progress=tf.Variable(np.array([state.epoch, state.step, state.seed], np.int64), trainable=False),
@@ -196,3 +216,92 @@ def restore_checkpoint(
         raise ValueError(f"checkpoint {str(folder)!r} is corrupt or truncated: {error}") from None
     epoch, step, seed = (int(v) for v in progress.numpy())
     return CheckpointState(epoch, step, seed)
+
+
+def check_writable(directory: str | os.PathLike[str]) -> None:
+    """Fail before training when the checkpoint directory cannot be written (nothing in it is touched)."""
+    path = Path(directory)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and (not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK)):
+        raise PermissionError(f"checkpoint_dir {str(path)!r} is not writable (checked {str(existing)!r})")
+
+
+class Checkpointing:
+    """The checkpoints of one ``fit(checkpoint_dir=...)``: resume, agree, save on progress, stop on a signal.
+
+    ``every`` saves every N steps too (on the same grid of steps after a resume), ``keep`` keeps the newest K. The
+    object is the loop's ``on_progress`` hook (:data:`paraml.training.ProgressHook`).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        every: int | None,
+        keep: int | None,
+        trainer: Trainer,
+        seed: int,
+    ) -> None:
+        check_int("checkpoint_every", every, none_ok=True)
+        check_int("keep", keep, none_ok=True)
+        check_writable(directory)
+        self.directory = directory
+        self.every, self.keep = every, keep
+        self.backend, self.model, self.optimizer = trainer.backend, trainer.model, trainer.optimizer
+        self.seed = seed
+        self.guard = PreemptionGuard()
+        self._last_step = 0
+
+    def resume(self, initial_epoch: int) -> CheckpointState | None:
+        """Restore the newest checkpoint, if any, into the model and optimizer; every worker must find the same.
+
+        Returns where training stands when that is past ``initial_epoch`` (its seed decides the data order), else
+        None.
+        """
+        found = latest_checkpoint(self.directory)
+        state = restore_checkpoint(found, self.model, self.optimizer) if found is not None else None
+        # Workers resuming at different points would hang in the collectives: fail instead.
+        position = -1 if state is None else state.epoch * 1_000_000_000 + state.step
+        values = sorted({int(v) for v in self.backend.across_workers(tf.constant(position, tf.int64)).numpy()})
+        if len(values) > 1:
+            raise RuntimeError(
+                f"the workers disagree on where to resume from {str(self.directory)!r}: {values} (-1: no checkpoint; "
+                "epoch * 1e9 + step). checkpoint_dir must be on storage every worker sees (the chief writes it)"
+            )
+        if state is None or not (state.epoch > initial_epoch or (state.epoch == initial_epoch and state.step)):
+            return None
+        self.seed = state.seed
+        if self.every:
+            self._last_step = state.step - state.step % self.every
+        return state
+
+    def save(self, epoch: int, step: int) -> Path:
+        """Save where training stands (``epoch`` epochs done, ``step`` steps into the next)."""
+        state = CheckpointState(epoch, step, self.seed)
+        write = self.backend.topology.is_chief
+        return save_checkpoint(self.directory, self.model, self.optimizer, state, keep=self.keep, write=write)
+
+    def __call__(self, epoch: int, steps_done: int, event: str) -> None:
+        """The loop's progress: save at an epoch's end, where training stopped, and every ``every`` steps."""
+        if event == "epoch_end":
+            self.save(epoch + 1, 0)
+            self._last_step = 0
+        elif event == "stopped" or (self.every is not None and steps_done - self._last_step >= self.every):
+            self.save(epoch, steps_done)
+            self._last_step = steps_done
+
+    @contextmanager
+    def stop_on_signal(self) -> Iterator[Any]:
+        """Inside the block, SIGTERM/SIGINT ask training to stop at the next step; yields the loop's poll."""
+        with self.guard:
+            yield lambda: self.guard.requested
+
+    def preempted(self, epochs_done: int) -> Preempted:
+        """The exception that ends a preempted run (after the save), announced on stderr as a worker's last word."""
+        if not self.guard.requested:  # another worker was signalled: this one stops with it
+            self.guard.request()
+        error = self.guard.exception(checkpoint=latest_checkpoint(self.directory), epoch=epochs_done)
+        print(f"paraml: {error}", file=sys.stderr, flush=True)
+        return error

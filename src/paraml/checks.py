@@ -15,10 +15,10 @@ True
 from __future__ import annotations
 
 import numbers
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from typing import Any, TypeVar
 
-__all__ = ["check_choice", "check_int", "check_verbose"]
+__all__ = ["check_choice", "check_int", "check_named", "check_verbose"]
 
 T = TypeVar("T")
 
@@ -43,6 +43,30 @@ def check_int(name: str, value: Any, *, low: int | None = 1, high: int | None = 
             bounds = ""
         raise ValueError(f"{name} must be an int{bounds}{' or None' if none_ok else ''}, got {value!r}")
     return int(value)
+
+
+def check_named(items: Iterable[Any], kind: type[T], what: str) -> list[T]:
+    """``items`` as a list when it is not empty, holds only ``kind`` objects and their ``name`` s are unique.
+
+    ``TypeError`` names an item of another type, ``ValueError`` an empty list or a name that appears twice.
+
+    >>> check_named([], str, "jobs")
+    Traceback (most recent call last):
+    ...
+    ValueError: jobs is empty
+    """
+    found = list(items)
+    if not found:
+        raise ValueError(f"{what} is empty")
+    seen: set[Any] = set()
+    for item in found:
+        if not isinstance(item, kind):
+            raise TypeError(f"{what} must hold {kind.__name__} objects, got {type(item).__name__}: {item!r}")
+        name = getattr(item, "name", None)
+        if name in seen:
+            raise ValueError(f"{what}: the name {name!r} appears twice; every name must be unique")
+        seen.add(name)
+    return found
 
 
 def check_choice(name: str, value: T, choices: Collection[Any]) -> T:

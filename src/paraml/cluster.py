@@ -26,6 +26,7 @@ from typing import Any
 __all__ = [
     "ClusterConfigError",
     "ClusterSpecInfo",
+    "global_worker_index",
     "make_tf_config",
     "parse_tf_config",
 ]
@@ -102,9 +103,7 @@ class ClusterSpecInfo:
             >>> ClusterSpecInfo(("a:1", "b:1"), "worker", 0, has_chief=True).worker_index
             1
         """
-        if self.task_type == "chief":
-            return 0
-        return self.task_index + (1 if self.has_chief else 0)
+        return global_worker_index(self.task_type, self.task_index, self.has_chief)
 
     @property
     def is_chief(self) -> bool:
@@ -120,6 +119,19 @@ class ClusterSpecInfo:
         if self.task_type == "chief":
             return True
         return self.task_type == "worker" and self.task_index == 0 and not self.has_chief
+
+
+def global_worker_index(task_type: str, task_index: int, has_chief: bool) -> int:
+    """The one rule from a task (its job and index in it) to its index among all workers: the chief is 0, worker
+    ``i`` is ``i``, or ``i + 1`` when a separate ``chief`` job exists (TensorFlow's order).
+
+    Example:
+        >>> [global_worker_index(*task) for task in (("chief", 0, True), ("worker", 0, True), ("worker", 2, False))]
+        [0, 1, 2]
+    """
+    if task_type == "chief":
+        return 0
+    return task_index + (1 if has_chief else 0)
 
 
 def _check_address(job: str, position: int, address: Any) -> str:

@@ -32,7 +32,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["GlobalBatches", "global_batches", "input_kind", "split_validation"]
+from .checks import check_int
+
+__all__ = ["GlobalBatches", "global_batches", "input_kind", "split_validation", "zeros_like_spec"]
 
 #: How many leading batches of a generator or PyDataset fix its ``output_signature`` (Keras peeks 2 as well):
 #: a dimension that differs between them (a short last batch, a variable sequence length) becomes ``None``.
@@ -560,9 +562,7 @@ def _from_py_dataset(
             "the PyDataset has neither __len__ nor num_batches: define one (None means infinite)"
         ) from None
     if num_batches is not None:
-        if isinstance(num_batches, bool) or not isinstance(num_batches, (int, np.integer)) or num_batches < 0:
-            raise ValueError(f"the PyDataset's length must be an int >= 0 (or num_batches None), got {num_batches!r}")
-        num_batches = int(num_batches)
+        num_batches = check_int("the PyDataset's length (or num_batches)", num_batches, low=0)
         if num_batches == 0:
             raise ValueError("the PyDataset is empty (its length is 0): there is nothing to train on")
     peek = PEEK_BATCHES if num_batches is None else min(PEEK_BATCHES, num_batches)
@@ -628,11 +628,8 @@ def global_batches(
     with a generator, or with targets that are not class indices); steps that is not a positive int; an infinite
     dataset or PyDataset without steps.
     """
-    if isinstance(batch_size, bool) or not (batch_size is None or (isinstance(batch_size, int) and batch_size >= 1)):
-        raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1):
-        raise ValueError(f"steps must be a positive int or None, got {steps!r}")
-    steps = None if steps is None else int(steps)
+    check_int("batch_size", batch_size, none_ok=True)
+    steps = check_int("steps", steps, none_ok=True)
     if shuffle not in (True, False, "batch"):
         raise ValueError(f"shuffle must be True, False or 'batch', got {shuffle!r}")
     shuffle = shuffle is True
@@ -703,3 +700,17 @@ def split_validation(
         return x_part, y_part, w_part
 
     return cut(0, split_at), cut(split_at, n)
+
+
+def zeros_like_spec(spec: Any) -> Any:
+    """A batch of one sample shaped like ``spec`` (a structure of ``tf.TensorSpec``), unknown dimensions as 1.
+
+    It builds a lazily built model, Keras' compiled metrics and the output dtypes before the first real step.
+    """
+
+    def zeros(s: tf.TensorSpec) -> tf.Tensor:
+        shape = [1 if d is None else d for d in s.shape.as_list()] if s.shape.rank is not None else [1]
+        shape[:1] = [1]
+        return tf.fill(shape, "") if s.dtype == tf.string else tf.zeros(shape, s.dtype)
+
+    return tf.nest.map_structure(zeros, spec)

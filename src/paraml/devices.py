@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
+from .checks import check_int
+
 __all__ = [
     "DeviceInfo",
     "canonical_device",
@@ -80,8 +82,7 @@ def simulate_devices(n: int, memory_limit_mb: int | None = None) -> tuple[str, .
     >>> len(devices)
     4
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"simulate_devices needs a positive int, got {n!r}")
+    check_int("simulate_devices' n", n)
     kind = _accelerator_type()
     physical = tf.config.list_physical_devices(kind)
     config = tf.config.LogicalDeviceConfiguration(memory_limit=(memory_limit_mb or 1024) if kind == "GPU" else None)

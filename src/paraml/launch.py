@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, TextIO
 
+from paraml.checks import check_int
 from paraml.cluster import make_tf_config
 
 __all__ = [
@@ -224,10 +225,8 @@ def _validate(
     max_restarts: int = 0,
 ) -> list[int]:
     """Check the launch's input before anything starts; return the ports the workers will use."""
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"the number of workers must be an integer >= 1, got {num_workers!r}")
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise ValueError(f"the number of restarts (--max-restarts) must be an integer >= 0, got {max_restarts!r}")
+    check_int("the number of workers", num_workers)
+    check_int("the number of restarts (--max-restarts)", max_restarts, low=0)
     if stop_timeout < 0:
         raise ValueError(f"stop_timeout must be >= 0 seconds, got {stop_timeout!r}")
     if isinstance(args, str):

@@ -31,17 +31,13 @@ Why threads in one process, each pinned to its device, rather than one process p
 
 Two pieces of global state need care. Keras draws the seeds of initializers (and of layers such as ``Dropout``)
 from Python's ``random``, which is process-wide: two threads building at once would interleave those draws. So each
-job's model is built (short) under a module lock, right after seeding Python's and NumPy's generators with the job's
-seed, while fitting (long) runs concurrently. And ``tf.data`` mixes TensorFlow's global seed into a dataset's shuffle
-seed when the dataset is made, which happens at the start of every epoch: had a build set the global seed (as
-``keras.utils.set_random_seed`` and ``Parallel(seed=...).build`` do), another job starting an epoch at that moment
-would shuffle with it. fit_many therefore builds with ``Parallel("single", devices=[device])``, seeds only Python and
-NumPy itself, never touches TensorFlow's global seed, and sets ``par.seed = job.seed`` afterwards for shuffling.
-A job's initial weights are then those ``Parallel(seed=job.seed).build`` gives, its batches depend only on its seed
-and the (unchanged) global seed, and the same job gives the same final weights alone or among others. Data
-callables (``Job(data=callable)``) run outside the lock: give them their own generator
-(``np.random.default_rng(seed)``) rather than NumPy's global one; a ``model_fn`` should not draw TensorFlow random
-numbers without a seed.
+job's model is built (short) by ``Parallel("single", devices=[device], seed=job.seed).build`` under a module lock,
+while fitting (long) runs concurrently. That build also sets TensorFlow's global seed; paraml's own shuffling is
+stateless (seeded by the job's seed and the epoch alone) and its step holds no unseeded random op, so a job's
+batches, dropout masks and final weights are the same alone or among others. Data callables
+(``Job(data=callable)``) run outside the lock: give them their own generator (``np.random.default_rng(seed)``)
+rather than NumPy's global one, and seed any ``tf.data`` shuffle they make (``shuffle(..., seed=...)``); a
+``model_fn`` should not draw TensorFlow random numbers without a seed.
 
 **The process variant, on GPUs.** Where jobs need isolation (a job that can crash the process or leak memory,
 different TensorFlow settings per job, or more than one process's worth of Python work), start one process per GPU
@@ -51,7 +47,7 @@ whose initializer sets ``os.environ["CUDA_VISIBLE_DEVICES"]`` before importing T
 its device ``GPU:0``; ``model_fn`` and the data must be importable or picklable, and results come back as files or
 pickled weights rather than live models.
 
-**Simulated CPUs.** Logical CPUs made by :func:`paraml.simulate_devices` share one thread pool (field notes, 7): two
+**Simulated CPUs.** Logical CPUs made by :func:`paraml.simulate_devices` share one thread pool: two
 jobs on two logical CPUs compete for the same cores, so running them at once helps only as far as one job alone left
 cores idle. ``tf.config.threading.set_intra_op_parallelism_threads(1)`` at program start brings the simulation
 closer to "one core per device". On real GPUs each device has its own compute and the speed-up approaches the
@@ -63,7 +59,6 @@ from __future__ import annotations
 import inspect
 import math
 import queue
-import random
 import sys
 import threading
 import time
@@ -73,9 +68,9 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import keras
-import numpy as np
 import tensorflow as tf
 
+from .checks import check_int, check_named
 from .devices import canonical_device, resolve_devices
 from .parallel import Parallel
 
@@ -175,7 +170,7 @@ class Job:
                 raise ValueError(f"{label}: data has (x_val, y_val) and fit has validation_data; give only one")
         if self.seed is None:
             self.seed = default_seed(self.name)
-        elif isinstance(self.seed, bool) or not isinstance(self.seed, int):
+        elif isinstance(self.seed, bool) or not isinstance(self.seed, int):  # a TypeError, as for the other fields
             raise TypeError(f"{label}: seed must be an int or None, got {self.seed!r}")
         if self.evaluate is not None:
             if not isinstance(self.evaluate, (tuple, list)) or len(self.evaluate) != 2:
@@ -249,17 +244,6 @@ class _StopWhenSet(keras.callbacks.Callback):
             self.model.stop_training = True
 
 
-def _seed_python_and_numpy(seed: int) -> None:
-    """What ``keras.utils.set_random_seed`` does, except for TensorFlow's global seed and Keras' (thread-local)
-    default ``SeedGenerator`` (see the module docstring).
-
-    Keras draws the seeds of initializers and of layers such as ``Dropout`` from Python's ``random``; NumPy's global
-    generator is seeded too, for a ``model_fn`` that uses it.
-    """
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-
-
 def _format_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
@@ -273,11 +257,9 @@ def _run_job(job: Job, device: str, stop: threading.Event) -> JobResult:
     error: str | None = None
     try:
         data = job.resolve_data()
-        par = Parallel("single", devices=[device])
+        par = Parallel("single", devices=[device], seed=job.seed)
         with _BUILD_LOCK, tf.device(device):  # the generators Keras draws initial weights from are process-global
-            _seed_python_and_numpy(job.seed)
             model = par.build(job.model_fn, **job.compile)
-        par.seed = job.seed  # from here on, the job's seed drives its shuffling
         fit_kwargs = dict(job.fit)
         fit_kwargs["verbose"] = 0
         callbacks = list(fit_kwargs.pop("callbacks", None) or ())
@@ -322,11 +304,11 @@ def fit_many(
     ``devices`` takes what :class:`paraml.Parallel` takes (``None``: every local GPU, else every logical CPU; an
     int: the first N; or names). One worker thread per device takes jobs from a queue in the given order, so with
     more jobs than devices the rest wait and start as devices become free. Each job runs on exactly one device,
-    built with ``Parallel("single", devices=[device])`` and seeded with ``job.seed`` (see the module docstring).
+    built with ``Parallel("single", devices=[device], seed=job.seed)`` (see the module docstring).
     A job that raises, or whose loss becomes NaN or inf (training stops at that batch), gets a result with
     ``error`` set; the others go on. The returned dict is ordered like ``jobs``. With ``verbose`` (default), one
-    line per start and end goes to ``out`` (default ``sys.stdout``). Building reseeds Python's ``random`` and
-    NumPy's global generator (as ``Parallel.build`` does); TensorFlow's global seed is left alone.
+    line per start and end goes to ``out`` (default ``sys.stdout``). Building sets the global seeds, as
+    ``Parallel(seed=...).build`` does.
 
     >>> import numpy as np, keras
     >>> x = np.random.rand(32, 3).astype("float32")
@@ -342,18 +324,8 @@ def fit_many(
     """
     if isinstance(jobs, Job):
         raise TypeError("fit_many takes a sequence of Job, got a single Job: pass [job]")
-    jobs = list(jobs)
-    if not jobs:
-        raise ValueError("fit_many got no jobs: pass a non-empty sequence of Job")
-    seen: set[str] = set()
-    for job in jobs:
-        if not isinstance(job, Job):
-            raise TypeError(f"fit_many takes paraml.many.Job objects, got {type(job).__name__}: {job!r}")
-        if job.name in seen:
-            raise ValueError(f"duplicate job name {job.name!r}: every job needs its own name")
-        seen.add(job.name)
-    if isinstance(verbose, bool) or not isinstance(verbose, int) or verbose < 0:
-        raise ValueError(f"verbose must be an int >= 0, got {verbose!r}")
+    jobs = check_named(jobs, Job, "fit_many's list of jobs")
+    check_int("verbose", verbose, low=0)
     stream = out if out is not None else sys.stdout
     pool = [canonical_device(d) for d in resolve_devices(devices)][: len(jobs)]
 

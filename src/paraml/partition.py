@@ -6,7 +6,8 @@ tuple of :class:`Stage` objects, each holding a contiguous run of layers.
 
 This module imports neither TensorFlow nor Keras; it is plain Python, so plans
 can be made, inspected and tested without touching a device.  Use
-:func:`paraml.memory.layer_costs` to build the cost list from a Keras model.
+:func:`paraml.memory.layer_costs` (or :func:`paraml.units.unit_costs` of an
+observation) to build the cost list from a Keras model.
 
 Memory model of a stage (all numbers in bytes)::
 
@@ -30,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .checks import check_int, check_named
 from .sizes import format_bytes
 
 __all__ = [
@@ -72,9 +74,8 @@ class LayerCost:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"LayerCost.name must be a non-empty string, got {self.name!r}")
         for field in ("param_bytes", "activation_bytes"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"LayerCost {self.name!r}: {field} must be an int >= 0, got {value!r}")
+            # stored as a plain int (a NumPy integer is accepted)
+            object.__setattr__(self, field, check_int(f"LayerCost {self.name!r}: {field}", getattr(self, field), low=0))
 
 
 @dataclass(frozen=True)
@@ -260,7 +261,7 @@ def layer_cost(c: LayerCost, slots_per_param: int) -> int:
         >>> layer_cost(LayerCost("d", 100, 7), slots_per_param=2)  # Adam
         407
     """
-    _check_slots(slots_per_param)
+    slots_per_param = check_int("slots_per_param", slots_per_param, low=0)
     return c.param_bytes * (2 + slots_per_param) + c.activation_bytes
 
 
@@ -274,44 +275,20 @@ def _few(names: Sequence[str], limit: int = _MAX_NAMES_IN_ERRORS) -> str:
     return shown
 
 
-def _check_slots(slots_per_param: int) -> None:
-    if isinstance(slots_per_param, bool) or not isinstance(slots_per_param, int):
-        raise ValueError(f"slots_per_param must be an int >= 0, got {slots_per_param!r}")
-    if slots_per_param < 0:
-        raise ValueError(f"slots_per_param must be an int >= 0, got {slots_per_param}")
-
-
 def _check_costs(costs: Sequence[LayerCost]) -> list[LayerCost]:
-    costs = list(costs)
-    if not costs:
-        raise ValueError("cannot partition a model with no layers (costs is empty)")
-    seen: set[str] = set()
-    for c in costs:
-        if not isinstance(c, LayerCost):
-            raise ValueError(f"costs must contain LayerCost records, got {c!r}")
-        if c.name in seen:
-            raise ValueError(f"layer name {c.name!r} appears twice in costs; names must be unique")
-        seen.add(c.name)
-    return costs
+    return check_named(costs, LayerCost, "the list of layer costs")
 
 
-def _check_num_stages(num_stages: int, num_layers: int) -> None:
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int):
-        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
-    if num_stages < 1:
-        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-    if num_stages > num_layers:
-        raise ValueError(
-            f"cannot split {num_layers} layers into {num_stages} stages: "
-            f"num_stages ({num_stages}) must be <= the number of layers ({num_layers})"
-        )
-
-
-def _validate(costs: Sequence[LayerCost], num_stages: int, slots_per_param: int) -> list[LayerCost]:
+def _validate(costs: Sequence[LayerCost], num_stages: int, slots_per_param: int) -> tuple[list[LayerCost], int, int]:
+    """The planners' arguments checked: ``costs`` as a list, ``num_stages`` and ``slots_per_param`` as ints."""
     costs = _check_costs(costs)
-    _check_num_stages(num_stages, len(costs))
-    _check_slots(slots_per_param)
-    return costs
+    num_stages = check_int("num_stages", num_stages)
+    if num_stages > len(costs):
+        raise ValueError(
+            f"cannot split {len(costs)} layers into {num_stages} stages: "
+            f"num_stages ({num_stages}) must be <= the number of layers ({len(costs)})"
+        )
+    return costs, num_stages, check_int("slots_per_param", slots_per_param, low=0)
 
 
 def _plan_from_starts(costs: Sequence[LayerCost], starts: Sequence[int], slots_per_param: int) -> PartitionPlan:
@@ -359,7 +336,7 @@ def plan_balanced(costs: Sequence[LayerCost], num_stages: int, slots_per_param: 
         >>> [s.layers for s in plan_balanced([LayerCost(n, 5, 0) for n in "abcd"], 3).stages]
         [('a',), ('b',), ('c', 'd')]
     """
-    costs = _validate(costs, num_stages, slots_per_param)
+    costs, num_stages, slots_per_param = _validate(costs, num_stages, slots_per_param)
     weights = [layer_cost(c, slots_per_param) for c in costs]
     n = len(weights)
     prefix = [0]
@@ -422,7 +399,7 @@ def plan_even(costs: Sequence[LayerCost], num_stages: int, slots_per_param: int 
         >>> [len(s.layers) for s in plan_even(costs, 3).stages]
         [3, 2, 2]
     """
-    costs = _validate(costs, num_stages, slots_per_param)
+    costs, num_stages, slots_per_param = _validate(costs, num_stages, slots_per_param)
     size, extra = divmod(len(costs), num_stages)
     starts = []
     position = 0
@@ -459,7 +436,7 @@ def plan_explicit(
         >>> [s.layers for s in plan_explicit(costs, [1, 3], 3).stages]
         [('a',), ('b', 'c'), ('d',)]
     """
-    costs = _validate(costs, num_stages, slots_per_param)
+    costs, num_stages, slots_per_param = _validate(costs, num_stages, slots_per_param)
     if isinstance(spec, (str, bytes)) or not isinstance(spec, Sequence):
         raise ValueError(
             f"an explicit partition must be a list of layer-name lists or a list of int cut indices, got {spec!r}"

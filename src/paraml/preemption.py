@@ -46,6 +46,8 @@ from collections.abc import Iterable
 from types import FrameType, TracebackType
 from typing import Any
 
+from .checks import check_int
+
 __all__ = [
     "EXIT_SIGINT",
     "EXIT_SIGTERM",
@@ -74,9 +76,7 @@ def exit_code_for(signum: int) -> int:
         >>> exit_code_for(signal.SIGTERM), exit_code_for(signal.SIGINT)
         (143, 130)
     """
-    if isinstance(signum, bool) or not isinstance(signum, int) or not 1 <= int(signum) < signal.NSIG:
-        raise ValueError(f"signum must be a signal number in 1..{signal.NSIG - 1}, got {signum!r}")
-    return 128 + int(signum)
+    return 128 + check_int("the signal number", signum, low=1, high=signal.NSIG - 1)
 
 
 _SIGACTION_BYTES = 512  # larger than any platform's struct sigaction; it is only copied, never interpreted

@@ -102,7 +102,6 @@ def format_bytes(n: int) -> str:
     return f"{value:.2f} {_IEC[unit]}"
 
 
-
 _DTYPE_SIZES: dict[str, int] = {
     "bool": 1,
     "int8": 1,

@@ -2,6 +2,6 @@
 
 from . import distribute, model_parallel  # noqa: F401  (each module registers its backends)
 from .base import Backend
-from .registry import available, get_backend, register
+from .registry import available, get_backend, register, unregister
 
-__all__ = ["Backend", "available", "get_backend", "register"]
+__all__ = ["Backend", "available", "get_backend", "register", "unregister"]

@@ -1,9 +1,17 @@
-"""The contract every backend fulfils.
+"""The contract every backend fulfils: who it is, what it can do, and how it executes.
 
-A backend answers four questions for the one training loop in :mod:`paraml.training`: under which scope are the
-model's variables created (and where do they live), how does a global batch reach the devices, how is a
-per-replica function run, and how are values combined across replicas. It knows nothing of epochs, callbacks or
-metrics; the loop knows nothing of devices.
+A backend answers the one training loop (:mod:`paraml.training`) in three groups, and knows nothing of epochs,
+callbacks or metrics (the loop knows nothing of devices):
+
+- **identity**, one value: :attr:`Backend.topology`, this process's devices, the :class:`Layout` (data replicas x
+  pipeline stages x tensor shards), the number of workers and this worker's index;
+- **capabilities**, one value: :attr:`Backend.capabilities`, what the loop and the facade may ask of it;
+- **execution**: the scope variables are created under, building the model where its variables belong, turning
+  global batches into per-replica ones, running a per-replica function, the reductions, the forward pass and the
+  gradients, and a readable description.
+
+A new backend is a subclass registered by name (:func:`paraml.backends.register`); ``tests/test_backends.py`` trains
+through one written in a few lines.
 """
 
 from __future__ import annotations
@@ -11,14 +19,15 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import keras
 import tensorflow as tf
 
-from ..devices import resolve_devices
+from ..checks import check_int
 
-__all__ = ["Backend", "DeviceSpec", "Objective"]
+__all__ = ["Backend", "Capabilities", "DeviceSpec", "Layout", "Objective", "Topology"]
 
 #: What users pass as ``devices=``: None (all), a count, a device name or a sequence of names.
 DeviceSpec = None | int | str | Sequence[str]
@@ -29,76 +38,131 @@ DeviceSpec = None | int | str | Sequence[str]
 Objective = Callable[[Any, Any, Any, Any], tf.Tensor]
 
 
-class Backend(abc.ABC):
-    """Base class of paraml's backends; one subclass per strategy name, registered in :mod:`.registry`.
+@dataclass(frozen=True)
+class Layout:
+    """How the devices share one global batch: ``data`` replicas x ``stages`` pipeline stages x ``tensor`` shards.
 
-    Subclasses set ``name``, list the keyword options they accept in ``option_names`` and implement the abstract
-    methods. ``forward`` and ``gradients`` have data-parallel defaults (the whole model on each replica); a backend
-    that splits the model across devices overrides them.
+    ``data`` counts the copies of the model over all workers, each computing its slice of the global batch; a copy
+    spans ``stages * tensor`` devices.
+
+    >>> Layout(data=2, stages=2)
+    Layout(data=2, stages=2, tensor=1)
+    >>> str(Layout(data=4))
+    '4 data replicas x 1 stage x 1 tensor shard'
     """
 
-    #: The strategy name users pass to ``Parallel``.
-    name: ClassVar[str] = ""
-    #: Keyword options this backend accepts (anything else is rejected before training starts).
-    option_names: ClassVar[tuple[str, ...]] = ()
-    #: Whether a replica that a short final batch leaves without rows skips the forward pass (inside a ``tf.cond``);
-    #: a backend whose forward pass holds a sync point (``merge_call``) cannot, as TF refuses one inside a ``cond``.
-    skips_empty_replicas: ClassVar[bool] = True
-    #: Whether a model without weights at build (a subclassed model built lazily) may get them at the first batch.
-    builds_on_first_batch: ClassVar[bool] = True
-    #: Whether ``devices=None`` means "every local device" (True) or "the first device" (False).
-    uses_all_devices: ClassVar[bool] = True
+    data: int = 1
+    stages: int = 1
+    tensor: int = 1
 
-    def __init__(self, devices: DeviceSpec = None, **options: Any) -> None:
-        self.options: Mapping[str, Any] = dict(options)
-        self.devices: tuple[str, ...] = self.resolve_devices(devices)
+    def __post_init__(self) -> None:
+        for name in ("data", "stages", "tensor"):
+            check_int(f"Layout.{name}", getattr(self, name))
 
-    def resolve_devices(self, devices: DeviceSpec) -> tuple[str, ...]:
-        """This process's devices for the ``devices=`` argument (see :func:`paraml.devices.resolve_devices`)."""
-        if devices is None and not self.uses_all_devices:
-            devices = 1
-        return resolve_devices(devices)
+    @property
+    def devices_per_replica(self) -> int:
+        """Devices one copy of the model spans."""
+        return self.stages * self.tensor
 
-    # -- who am I (multi-worker backends override these) --------------------------------------------------------
+    def __str__(self) -> str:
+        def plural(n: int, word: str) -> str:
+            return f"{n} {word}" + ("" if n == 1 else "s")
+
+        return " x ".join(
+            (plural(self.data, "data replica"), plural(self.stages, "stage"), plural(self.tensor, "tensor shard"))
+        )
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Who and where this process is: its devices, the layout, how many workers train together and which one it is.
+
+    >>> t = Topology(("/device:CPU:0", "/device:CPU:1"), Layout(data=2))
+    >>> t.num_replicas, t.num_workers, t.is_chief
+    (2, 1, True)
+    """
+
+    devices: tuple[str, ...]
+    layout: Layout
+    num_workers: int = 1
+    worker_index: int = 0
+
     @property
     def num_replicas(self) -> int:
-        """How many copies of the model compute on a global batch at once (over all workers)."""
-        return len(self.devices)
-
-    @property
-    def num_workers(self) -> int:
-        """How many processes take part in training."""
-        return 1
-
-    @property
-    def worker_index(self) -> int:
-        """This process's index among the workers (0 is the chief)."""
-        return 0
+        """Copies of the model computing each global batch, over all workers (``layout.data``)."""
+        return self.layout.data
 
     @property
     def is_chief(self) -> bool:
-        """True in the one process that writes files that must exist once (checkpoints, logs)."""
+        """True in the one process that writes files that must exist once (checkpoints, logs): worker 0."""
         return self.worker_index == 0
 
-    # -- placement -----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do; the loop and the facade read it instead of asking the backend's type.
+
+    Attributes:
+        skips_empty_replicas: A replica that a short final batch leaves without rows skips the forward pass inside a
+            ``tf.cond``. A backend whose forward pass holds a sync point (``merge_call``) cannot: TF refuses one
+            inside a ``cond``.
+        builds_on_first_batch: A model without weights at build (a subclassed model built lazily) may get them at
+            its first batch; False for a backend that places weights at build.
+        xla_problem: Why the replicas' step cannot be compiled with XLA here, or None.
+        loss_scaling_problem: Why Keras' ``LossScaleOptimizer`` (``mixed_float16``) cannot be stepped here, or None.
+    """
+
+    skips_empty_replicas: bool = True
+    builds_on_first_batch: bool = True
+    xla_problem: str | None = None
+    loss_scaling_problem: str | None = None
+
+
+class Backend(abc.ABC):
+    """Base class of paraml's backends; one subclass per strategy name, registered in :mod:`.registry`.
+
+    A subclass sets ``option_names`` (the keyword options it accepts; the facade refuses any other before building
+    anything), ``capabilities`` when it differs from the default, and :attr:`topology` in ``__init__``; it implements
+    the abstract methods. ``build_model``, ``metrics_scope``, ``forward``, ``gradients``, ``across_workers`` and
+    ``describe`` have data-parallel, one-process defaults (the whole model on each replica).
+    """
+
+    #: The strategy name users pass to ``Parallel`` (set by ``register``).
+    name: ClassVar[str] = ""
+    #: Keyword options this backend accepts (anything else is rejected before training starts).
+    option_names: ClassVar[tuple[str, ...]] = ()
+    #: What this backend can do.
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    #: This process's devices, the layout and its place among the workers (set by ``__init__``).
+    topology: Topology
+
+    def __init__(self, devices: DeviceSpec = None, **options: Any) -> None:
+        del devices  # each subclass resolves them into its topology
+        self.options: Mapping[str, Any] = dict(options)
+
+    # -- placement ----------------------------------------------------------------------------------------------------
     @abc.abstractmethod
     def scope(self) -> AbstractContextManager[Any]:
-        """The context under which the model, its optimizer and metrics create their variables."""
+        """The context under which the model and its optimizer create their variables."""
 
     def metrics_scope(self) -> AbstractContextManager[Any]:
         """The context under which metric variables (summed across replicas) are created; default :meth:`scope`."""
         return self.scope()
 
-    def build_model(self, model_fn: Callable[[], keras.Model], optimizer: Any = None) -> keras.Model:
+    def build_model(
+        self, model_fn: Callable[[], keras.Model], optimizer: Any = None, host_model: Any = None
+    ) -> keras.Model:
         """Call ``model_fn`` so that the model's variables live where this backend wants them.
 
         ``optimizer`` (what the user passed to ``build``) lets a backend that plans placement by memory count the
-        optimizer's slots; data-parallel backends ignore it.
+        optimizer's slots. ``host_model`` is a :class:`paraml.units.HostModel` the caller already built (``auto``
+        measured it), for a backend that plans from a first build; data-parallel backends ignore both.
         """
+        del optimizer, host_model
         with self.scope():
             return model_fn()
 
-    # -- data and execution --------------------------------------------------------------------------------------
+    # -- data and execution -------------------------------------------------------------------------------------------
     @abc.abstractmethod
     def distribute(self, dataset: tf.data.Dataset) -> Iterable[Any]:
         """Turn a dataset of global batches into what :meth:`run` takes, one element per step."""
@@ -108,14 +172,23 @@ class Backend(abc.ABC):
         """Run ``fn(*args)`` once per replica on that replica's part of the batch (inside ``tf.function``)."""
 
     @abc.abstractmethod
-    def all_reduce_sum(self, value: tf.Tensor) -> tf.Tensor:
-        """Sum ``value`` over all replicas; called inside ``fn`` of :meth:`run` (replica context)."""
+    def all_reduce_sum(self, value: Any) -> Any:
+        """Sum ``value`` (a tensor or a list of tensors) over all replicas; called inside ``fn`` of :meth:`run`."""
 
     @abc.abstractmethod
     def gather(self, value: Any) -> tf.Tensor:
         """Concatenate the per-replica ``value`` returned by :meth:`run` along axis 0, in replica order."""
 
-    # -- computation (data-parallel defaults) ---------------------------------------------------------------------
+    def across_workers(self, value: tf.Tensor) -> tf.Tensor:
+        """Every worker's ``value`` (a tensor computed on the host), one row per worker: shape ``[workers, ...]``.
+
+        Called in cross-replica context by every worker at the same point (a collective under ``multi_worker``);
+        the loop sums it to agree on a stop request, checkpoints compare it to agree on where to resume. One
+        process returns ``value`` with a leading axis of 1.
+        """
+        return tf.expand_dims(tf.convert_to_tensor(value), 0)
+
+    # -- computation (data-parallel defaults) -------------------------------------------------------------------------
     def forward(self, model: keras.Model, x: Any, training: bool) -> Any:
         """The model's output for ``x`` on this replica."""
         return model(x, training=training)
@@ -129,25 +202,7 @@ class Backend(abc.ABC):
             loss = objective(x, y, y_pred, sample_weight)
         return tape.gradient(loss, model.trainable_variables), y_pred
 
-    def check_optimizer(self, optimizer: keras.optimizers.Optimizer) -> None:
-        """Raise ``ValueError`` (at build) for an optimizer this backend cannot step; the default takes any."""
-        del optimizer
-
-    def xla_problem(self) -> str | None:
-        """Why this backend cannot compile the replicas' step with XLA, or None when it can."""
-        return None
-
-    def any_worker(self, flag: tf.Tensor) -> tf.Tensor:
-        """``flag`` (a float scalar) summed over the workers, in cross-replica context: > 0 when any worker set it.
-
-        A single process returns it as is; under ``multi_worker`` it is a collective (every worker must call it).
-        """
-        return flag
-
-    def check_same_on_every_worker(self, value: int, what: str) -> None:
-        """Raise unless every worker passes the same ``value``; a no-op for a single process."""
-        del value, what  # one process agrees with itself
-
     def describe(self) -> str:
-        """A one-line human description of the backend and its devices."""
-        return f"{self.name} on {len(self.devices)} device(s): {', '.join(self.devices)}"
+        """A human description of the backend and its devices."""
+        devices = self.topology.devices
+        return f"{self.name} on {len(devices)} device(s): {', '.join(devices)}"

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
-import keras
 import tensorflow as tf
 
-from ..cluster import ClusterConfigError, parse_tf_config
-from ..devices import canonical_device
-from .base import Backend, DeviceSpec
+from ..checks import check_choice
+from ..cluster import ClusterConfigError, global_worker_index, parse_tf_config
+from ..devices import canonical_device, resolve_devices
+from .base import Backend, Capabilities, DeviceSpec, Layout, Topology
 from .registry import register
 
 __all__ = ["CentralStorageBackend", "MirroredBackend", "MultiWorkerBackend", "SingleBackend", "StrategyBackend"]
@@ -28,15 +29,17 @@ class StrategyBackend(Backend):
 
     def __init__(self, devices: DeviceSpec = None, **options: Any) -> None:
         super().__init__(devices, **options)
-        self.strategy: tf.distribute.Strategy = self.make_strategy()
+        self.strategy: tf.distribute.Strategy = self.make_strategy(devices)
+        self.topology = self.make_topology()
 
     @abc.abstractmethod
-    def make_strategy(self) -> tf.distribute.Strategy:
-        """Build the strategy from ``self.devices`` and ``self.options``."""
+    def make_strategy(self, devices: DeviceSpec) -> tf.distribute.Strategy:
+        """Build the strategy for the ``devices=`` argument and ``self.options``."""
 
-    @property
-    def num_replicas(self) -> int:
-        return int(self.strategy.num_replicas_in_sync)
+    def make_topology(self) -> Topology:
+        """One process whose replicas are the strategy's devices, one data replica each."""
+        devices = tuple(canonical_device(d) for d in self.strategy.extended.worker_devices)
+        return Topology(devices, Layout(data=int(self.strategy.num_replicas_in_sync)))
 
     def scope(self) -> AbstractContextManager[Any]:
         return self.strategy.scope()
@@ -47,7 +50,7 @@ class StrategyBackend(Backend):
     def run(self, fn: Callable[..., Any], args: Sequence[Any]) -> Any:
         return self.strategy.run(fn, args=tuple(args))
 
-    def all_reduce_sum(self, value: tf.Tensor) -> tf.Tensor:
+    def all_reduce_sum(self, value: Any) -> Any:
         return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value)
 
     def gather(self, value: Any) -> tf.Tensor:
@@ -63,20 +66,20 @@ class SingleBackend(StrategyBackend):
     1
     """
 
-    uses_all_devices = False
-
-    def make_strategy(self) -> tf.distribute.Strategy:
-        if len(self.devices) != 1:
-            raise ValueError(f"strategy 'single' uses exactly one device, got {len(self.devices)}: {self.devices}")
-        return tf.distribute.OneDeviceStrategy(self.devices[0])
+    def make_strategy(self, devices: DeviceSpec) -> tf.distribute.Strategy:
+        resolved = resolve_devices(1 if devices is None else devices)  # None: the first device
+        if len(resolved) != 1:
+            raise ValueError(f"strategy 'single' uses exactly one device, got {len(resolved)}: {resolved}")
+        return tf.distribute.OneDeviceStrategy(resolved[0])
 
     def distribute(self, dataset: tf.data.Dataset) -> Iterable[Any]:
         # One replica splits nothing: a plain iterator does what the distributed one does, and creating and
         # destroying it costs ~0.1 s less per fit call (measured, benchmarks/bench_overhead.py). An accelerator
         # still gets its batches prefetched onto it.
-        if "CPU" in self.devices[0]:
+        device = self.topology.devices[0]
+        if "CPU" in device:
             return dataset
-        return dataset.apply(tf.data.experimental.prefetch_to_device(self.devices[0]))
+        return dataset.apply(tf.data.experimental.prefetch_to_device(device))
 
 
 @register("mirrored")
@@ -89,9 +92,9 @@ class MirroredBackend(StrategyBackend):
     2
     """
 
-    def make_strategy(self) -> tf.distribute.Strategy:
+    def make_strategy(self, devices: DeviceSpec) -> tf.distribute.Strategy:
         _new_collective_key_range(tf.distribute.MirroredStrategy)
-        strategy = tf.distribute.MirroredStrategy(list(self.devices))
+        strategy = tf.distribute.MirroredStrategy(list(resolve_devices(devices)))
         _new_collective_key_range(tf.distribute.MirroredStrategy)  # and keep later strategies off this one's keys
         return strategy
 
@@ -124,17 +127,23 @@ class CentralStorageBackend(StrategyBackend):
     """
 
     option_names = ("parameter_device",)
-    # Updating the aggregated non-trainable state (below) is a merge_call in the forward pass: no cond around it.
-    skips_empty_replicas = False
+    capabilities = Capabilities(
+        # Updating the aggregated non-trainable state (see scope) is a merge_call in the forward pass: no cond.
+        skips_empty_replicas=False,
+        xla_problem="under central_storage the forward pass updates aggregated variables (a sync point XLA cannot "
+        "hold)",
+        loss_scaling_problem="it updates its loss scale from each replica inside a cond, which "
+        "CentralStorageStrategy cannot aggregate",
+    )
 
     @property
     def parameter_device(self) -> str:
         """Canonical name of the device that holds every variable."""
         return canonical_device(self.options.get("parameter_device") or "CPU:0")
 
-    def make_strategy(self) -> tf.distribute.Strategy:
+    def make_strategy(self, devices: DeviceSpec) -> tf.distribute.Strategy:
         return tf.distribute.experimental.CentralStorageStrategy(
-            list(self.devices), parameter_device=self.parameter_device
+            list(resolve_devices(devices)), parameter_device=self.parameter_device
         )
 
     @contextlib.contextmanager
@@ -157,17 +166,6 @@ class CentralStorageBackend(StrategyBackend):
         with self.strategy.scope() as strategy, tf.variable_creator_scope(with_aggregation):
             yield strategy
 
-    def check_optimizer(self, optimizer: Any) -> None:
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            raise ValueError(
-                "strategy 'central_storage' cannot step Keras' LossScaleOptimizer (mixed_float16): it updates its "
-                "loss scale from each replica inside a cond, which CentralStorageStrategy cannot aggregate. Use "
-                "'mirrored', or the mixed_bfloat16 policy (no loss scaling), or build(..., auto_scale_loss=False)"
-            )
-
-    def xla_problem(self) -> str | None:
-        return "under central_storage the forward pass updates aggregated variables (a sync point XLA cannot hold)"
-
     def metrics_scope(self) -> AbstractContextManager[Any]:
         # Metric variables made under this strategy's scope sum wrongly from the second update on (each replica
         # adds its *new value*, not its increment; measured with keras.metrics.Mean). Plain variables on the
@@ -175,7 +173,8 @@ class CentralStorageBackend(StrategyBackend):
         return tf.device(self.parameter_device)
 
     def distribute(self, dataset: tf.data.Dataset) -> Iterable[Any]:
-        # No `options` argument: TF's CentralStorageStrategy has a typo on that path (field notes, 3).
+        # No `options` argument: TF 2.21's CentralStorageStrategy has a typo on that path (an AttributeError on
+        # 'experimental_replication_moden').
         return self.strategy.experimental_distribute_dataset(dataset)
 
     def describe(self) -> str:
@@ -206,21 +205,16 @@ class MultiWorkerBackend(StrategyBackend):
 
     option_names = ("cluster_resolver", "communication")
 
-    def resolve_devices(self, devices: DeviceSpec) -> tuple[str, ...]:
+    def make_strategy(self, devices: DeviceSpec) -> tf.distribute.Strategy:
         if devices is not None:
             raise ValueError(
                 f"strategy 'multi_worker' uses each worker's local devices, got devices={devices!r}: leave devices "
                 "unset and choose a worker's devices with CUDA_VISIBLE_DEVICES (or tf.config.set_visible_devices)"
             )
-        communication = self.options.get("communication", "auto")
-        if communication not in _COMMUNICATION:
-            raise ValueError(
-                f"communication must be one of {', '.join(map(repr, _COMMUNICATION))}, got {communication!r}"
-            )
+        communication = check_choice("communication", self.options.get("communication", "auto"), _COMMUNICATION)
         resolver = self.options.get("cluster_resolver")
         if resolver is None:
-            self.cluster = parse_tf_config()
-            if self.cluster is None:
+            if parse_tf_config() is None:
                 raise ClusterConfigError(
                     "strategy 'multi_worker' needs a cluster: TF_CONFIG is not set. Start the script with "
                     "`paraml launch -n 2 script.py` (it sets TF_CONFIG), set TF_CONFIG yourself, or pass "
@@ -228,56 +222,31 @@ class MultiWorkerBackend(StrategyBackend):
                 )
         elif not isinstance(resolver, tf.distribute.cluster_resolver.ClusterResolver):
             raise ValueError(f"cluster_resolver must be a tf.distribute.cluster_resolver object, got {resolver!r}")
-        # The strategy must exist before anything initialises TensorFlow's devices (field notes, 5), so it is
-        # built here, ahead of the device lookup, and its devices are read back from it.
-        options = tf.distribute.experimental.CommunicationOptions(
-            implementation=getattr(
-                tf.distribute.experimental.CommunicationImplementation, _COMMUNICATION[communication]
-            )
-        )
+        implementation = getattr(tf.distribute.experimental.CommunicationImplementation, _COMMUNICATION[communication])
         try:
-            self._strategy = tf.distribute.MultiWorkerMirroredStrategy(
-                cluster_resolver=resolver, communication_options=options
+            # Must run before anything initialises TensorFlow's devices: the strategy configures them.
+            return tf.distribute.MultiWorkerMirroredStrategy(
+                cluster_resolver=resolver,
+                communication_options=tf.distribute.experimental.CommunicationOptions(implementation=implementation),
             )
         except RuntimeError as error:
             raise RuntimeError(
                 f"could not start MultiWorkerMirroredStrategy ({error}); create Parallel('multi_worker') at program "
                 "start, before anything creates tensors or lists devices"
             ) from None
-        return tuple(canonical_device(d) for d in self._strategy.extended.worker_devices)
 
-    def make_strategy(self) -> tf.distribute.Strategy:
-        return self._strategy
+    def make_topology(self) -> Topology:
+        resolver = self.strategy.cluster_resolver
+        spec = resolver.cluster_spec()
+        jobs = {job: spec.num_tasks(job) for job in ("chief", "worker") if job in spec.jobs}
+        index = global_worker_index(resolver.task_type, int(resolver.task_id), has_chief="chief" in jobs)
+        return dataclasses.replace(super().make_topology(), num_workers=sum(jobs.values()), worker_index=index)
 
-    @property
-    def _resolver(self) -> tf.distribute.cluster_resolver.ClusterResolver:
-        return self.strategy.cluster_resolver
-
-    @property
-    def num_workers(self) -> int:
-        spec = self._resolver.cluster_spec()
-        return sum(spec.num_tasks(job) for job in ("chief", "worker") if job in spec.jobs)
-
-    @property
-    def worker_index(self) -> int:
-        spec, resolver = self._resolver.cluster_spec(), self._resolver
-        has_chief = "chief" in spec.jobs
-        if resolver.task_type == "chief":
-            return 0
-        return int(resolver.task_id) + (1 if has_chief else 0)
-
-    def any_worker(self, flag: tf.Tensor) -> tf.Tensor:
-        per_replica = self.strategy.run(lambda: tf.identity(flag))
-        # Each worker's replicas all carry its flag: dividing by the local replicas counts each worker once.
-        local = len(self.strategy.extended.worker_devices)
-        return self.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None) / local
-
-    def check_same_on_every_worker(self, value: int, what: str) -> None:
-        """Raise on every worker unless all workers pass the same ``value`` (a collective: all must call it)."""
-        per_replica = self.strategy.run(lambda: tf.constant([value], tf.int64))
-        values = sorted({int(v) for v in self.strategy.gather(per_replica, axis=0).numpy()})
-        if len(values) > 1:
-            raise RuntimeError(f"the workers disagree on {what}: {values}")
+    def across_workers(self, value: tf.Tensor) -> tf.Tensor:
+        per_replica = self.strategy.run(lambda: tf.expand_dims(tf.identity(value), 0))
+        # One row per replica, worker after worker: keep each worker's first.
+        return self.strategy.gather(per_replica, axis=0)[:: len(self.topology.devices)]
 
     def describe(self) -> str:
-        return f"multi_worker: worker {self.worker_index} of {self.num_workers}, " + super().describe()
+        t = self.topology
+        return f"multi_worker: worker {t.worker_index} of {t.num_workers}, " + super().describe()

@@ -2,15 +2,16 @@
 
 How it works, and why:
 
-- **Units.** A unit is a layer that is not itself a model (:func:`paraml.memory.model_units`): nested models (a
+- **Units.** A unit is a layer that is not itself a model (:func:`paraml.units.model_units`): nested models (a
   keras_hub backbone inside its task, a backbone inside backbone + head) are descended into, so a 12-layer
   transformer's blocks spread over the stages; a transformer block, an attention layer or a Dense is one unit. A
   layer called several times (a tied embedding) is one unit, counted once.
 - **Order and sizes.** The model is called once on a small batch of ones with each unit's ``call`` wrapped
-  (:func:`paraml.memory.observe_units`): the order in which the units first run is the pipeline order, and their
+  (:func:`paraml.units.observe_units`): the order in which the units first run is the pipeline order, and their
   outputs give the activation sizes the balanced planner weighs next to the parameters.
 - **Placement.** ``model_fn`` creates its variables while it runs, before any partition is known. So the model is
-  built twice: once on the host to observe it and plan the stages, then again under a ``tf.variable_creator_scope``
+  built twice: once on the host to observe it and plan the stages (:func:`paraml.units.build_on_host`; under
+  ``"auto"``, the build ``auto`` measured), then again under a ``tf.variable_creator_scope``
   that creates the i-th variable on the device of the stage whose unit owns it, and the first build's variables are
   copied over (so the same seed gives the same initial weights, and random-seed states, as on every other backend).
   ``model_fn`` must build the same model each time it is called; a different second model is refused at build.
@@ -35,11 +36,13 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from ..devices import device_memory
-from ..memory import Observation, model_units, observe_units, optimizer_slots_per_param
+from ..checks import check_int
+from ..devices import device_memory, resolve_devices
+from ..optimizers import optimizer_slots_per_param
 from ..partition import LayerCost, PartitionPlan, Stage, layer_cost, make_plan
 from ..sizes import format_bytes, parse_size
-from .base import Backend, DeviceSpec, Objective
+from ..units import HostModel, build_on_host, model_units, observation_notes, unit_costs
+from .base import Backend, Capabilities, DeviceSpec, Layout, Objective, Topology
 from .registry import register
 
 __all__ = ["ModelParallelBackend"]
@@ -71,73 +74,56 @@ class ModelParallelBackend(Backend):
     """
 
     option_names = ("partition", "micro_batches", "device_memory", "batch_size")
-    #: Variables are placed at build, so the model must have them then (no lazily built subclassed models).
-    builds_on_first_batch = False
+    capabilities = Capabilities(
+        builds_on_first_batch=False,  # variables are placed at build, so the model must have them then
+        xla_problem="under model_parallel one step spans several devices, and an XLA computation runs on one",
+    )
 
     def __init__(self, devices: DeviceSpec = None, **options: Any) -> None:
-        micro_batches = options.get("micro_batches", 1)
-        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-            raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
+        self.micro_batches: int = check_int("micro_batches", options.get("micro_batches", 1))
         partition = options.get("partition", "balanced")
         if not isinstance(partition, (str, list, tuple)):
             raise ValueError(
                 f"partition must be 'balanced', 'even', a list of lists of unit names or a list of ints, "
                 f"got {partition!r}"
             )
+        self.batch_size: int = check_int("batch_size", options.get("batch_size", PLANNING_BATCH))
         memory = options.get("device_memory")
-        batch_size = options.get("batch_size", PLANNING_BATCH)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         super().__init__(devices, **options)
-        self.micro_batches: int = micro_batches
         self.partition = partition
-        self.batch_size: int = batch_size
         self.device_memory: int | None = None if memory is None else parse_size(memory)
+        resolved = resolve_devices(devices)
+        self.topology = Topology(resolved, Layout(stages=len(resolved)))  # one copy of the model over the devices
         self.plan: PartitionPlan | None = None
         #: The final model's units and the device each runs on, in pipeline order.
         self.placement: list[tuple[str, keras.layers.Layer, str]] = []
         self.notes: list[str] = []
 
-    @property
-    def num_replicas(self) -> int:
-        return 1  # one copy of the model, spread over the devices
-
     def scope(self) -> AbstractContextManager[Any]:
         return nullcontext()
 
     # -- placement ----------------------------------------------------------------------------------------------------
-    def build_model(self, model_fn: Callable[[], keras.Model], optimizer: Any = None) -> keras.Model:
-        created: list[tf.Variable] = []
-
-        def record(next_creator: Callable[..., tf.Variable], **kwargs: Any) -> tf.Variable:
-            variable = next_creator(**kwargs)
-            created.append(variable)
-            return variable
-
-        with tf.device("/device:CPU:0"):  # observe on the host: the model may not fit on one accelerator
-            with tf.variable_creator_scope(record):
-                probe = model_fn()
-            if not isinstance(probe, keras.Model) or not probe.built or not probe.weights:
-                return probe  # the facade reports what is wrong with it
-            weights_before = len(probe.weights)
-            observation = observe_units(probe)
-        if len(probe.weights) != weights_before:
-            raise ValueError(
-                f"model {probe.name!r} created variables when it was first called: model_fn must return a model "
-                "with all its weights (call it on a batch, or model.build(input_shape), inside model_fn)"
-            )
+    def build_model(
+        self, model_fn: Callable[[], keras.Model], optimizer: Any = None, host_model: HostModel | None = None
+    ) -> keras.Model:
+        host = host_model if host_model is not None else build_on_host(model_fn)
+        probe, created = host.model, host.created
+        if not isinstance(probe, keras.Model) or not probe.built or not probe.weights:
+            return probe  # the facade reports what is wrong with it
+        observation = host.observe()
         if not observation.units:
             raise ValueError(f"model {probe.name!r} has no layers to place on stages")
-        self.notes = [observation.problem + ": units in declaration order"] if observation.problem else []
+        self.notes = observation_notes(observation)
         slots = optimizer_slots_per_param(optimizer) if optimizer is not None else 0
-        costs = _costs(observation, self.batch_size)
-        self.plan = make_plan(costs, self.partition, len(self.devices), slots)
+        costs = unit_costs(observation, self.batch_size)
+        devices = self.topology.devices
+        self.plan = make_plan(costs, self.partition, len(devices), slots)
         self._check_fits(costs, slots)
 
-        stage_device = {name: self.devices[s.index] for s in self.plan.stages for name in s.layers}
+        stage_device = {name: devices[s.index] for s in self.plan.stages for name in s.layers}
         owner = {id(v.value): u.name for u in observation.units for v in u.layer.variables}
-        devices = [stage_device.get(owner.get(id(v)), self.devices[0]) for v in created]
-        count = iter(range(len(devices) + 1))
+        placed_on = [stage_device.get(owner.get(id(v)), devices[0]) for v in created]
+        count = iter(range(len(placed_on) + 1))
         different = (
             "model_fn built a different model the second time ({}): it must build the same model on every call "
             "(model_parallel calls it twice: once to plan the stages, once to place the variables)"
@@ -145,16 +131,16 @@ class ModelParallelBackend(Backend):
 
         def place(next_creator: Callable[..., tf.Variable], **kwargs: Any) -> tf.Variable:
             index = next(count)
-            if index >= len(devices):
-                raise ValueError(different.format(f"more than the {len(devices)} variables of the first"))
-            with tf.device(devices[index]):
+            if index >= len(placed_on):
+                raise ValueError(different.format(f"more than the {len(placed_on)} variables of the first"))
+            with tf.device(placed_on[index]):
                 return next_creator(**kwargs)
 
         with tf.variable_creator_scope(place):
             model = model_fn()
         made = next(count)
-        if made != len(devices):
-            raise ValueError(different.format(f"{made} variables instead of {len(devices)}"))
+        if made != len(placed_on):
+            raise ValueError(different.format(f"{made} variables instead of {len(placed_on)}"))
         final_units = model_units(model)
         probe_units = model_units(probe)
         if _signature(final_units) != _signature(probe_units):
@@ -181,11 +167,12 @@ class ModelParallelBackend(Backend):
         """Refuse (at build) a unit or a stage larger than a device; note a unit that keeps stages from balancing."""
         assert self.plan is not None
         sizes = [(c.name, layer_cost(c, slots)) for c in costs]
+        devices = self.topology.devices
         memory = self.device_memory
         if memory is None:
-            known = [device_memory(d) for d in self.devices]
+            known = [device_memory(d) for d in devices]
             memory = min(known) if known and all(m is not None for m in known) else None
-        share = sum(size for _, size in sizes) / len(self.devices)
+        share = sum(size for _, size in sizes) / len(devices)
         name, size = max(sizes, key=lambda item: item[1])
         what = (
             f"unit {name!r} needs {format_bytes(size)} (parameters, gradients, optimizer slots and activations "
@@ -200,9 +187,9 @@ class ModelParallelBackend(Backend):
         if memory is not None and self.plan.largest_stage_bytes > memory:
             raise ValueError(
                 f"the largest stage needs {format_bytes(self.plan.largest_stage_bytes)}, more than a device's "
-                f"{format_bytes(memory)}: the model does not fit on {len(self.devices)} device(s); use more devices"
+                f"{format_bytes(memory)}: the model does not fit on {len(devices)} device(s); use more devices"
             )
-        if len(self.devices) > 1 and size > share * UNBALANCED_SHARE:
+        if len(devices) > 1 and size > share * UNBALANCED_SHARE:
             self.notes.append(
                 f"{what}, more than a device's share {format_bytes(round(share))}: the stages cannot balance better "
                 "(splitting one layer across devices is not supported)"
@@ -283,23 +270,15 @@ class ModelParallelBackend(Backend):
             y_pred, total = self._run(model, self._parts(x, y, sample_weight), True, objective)
         return tape.gradient(total, model.trainable_variables), y_pred
 
-    def xla_problem(self) -> str | None:
-        return "under model_parallel one step spans several devices, and an XLA computation runs on one"
-
     def describe(self) -> str:
-        header = f"model_parallel on {len(self.devices)} device(s), micro_batches={self.micro_batches}"
+        devices = self.topology.devices
+        header = f"model_parallel on {len(devices)} device(s), micro_batches={self.micro_batches}"
         if self.plan is None:
             return header
-        lines = [header, self.plan.describe(self.devices)]
+        lines = [header, self.plan.describe(devices)]
         lines += [f"stage {s.index} units: {', '.join(s.layers)}" for s in self.plan.stages]
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
-
-
-def _costs(observation: Observation, batch_size: int) -> list[LayerCost]:
-    return [
-        LayerCost(u.name, u.param_bytes, u.activation_bytes(observation.rows, batch_size)) for u in observation.units
-    ]
 
 
 def _signature(units: list[tuple[str, keras.layers.Layer]]) -> list[tuple[str, list[tuple[int, ...]]]]:

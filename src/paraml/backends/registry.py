@@ -7,7 +7,7 @@ from typing import TypeVar
 
 from .base import Backend
 
-__all__ = ["available", "get_backend", "register"]
+__all__ = ["available", "get_backend", "register", "unregister"]
 
 _BACKENDS: dict[str, type[Backend]] = {}
 B = TypeVar("B", bound=type[Backend])
@@ -27,6 +27,11 @@ def register(name: str) -> Callable[[B], B]:
         return cls
 
     return decorate
+
+
+def unregister(name: str) -> None:
+    """Forget the backend registered as ``name`` (a test's or a notebook's own backend); unknown names are ignored."""
+    _BACKENDS.pop(name, None)
 
 
 def available() -> tuple[str, ...]:
