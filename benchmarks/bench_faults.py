@@ -25,18 +25,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from paraml.benchmark import format_table, int_at_least, run_process, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "scripts" / "restart_train.py"
@@ -46,25 +45,15 @@ TOLERANCE = 1e-5
 def run_job(out: Path, launch_args: list[str], script_args: list[str], timeout: float) -> dict[str, Any]:
     """One ``paraml launch -n 2`` job; returns its exit code, wall time, events and output."""
     out.mkdir(parents=True)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    env.pop("TF_CONFIG", None)
     command = [sys.executable, "-m", "paraml", "launch", "-n", "2", *launch_args, str(WORKER), str(out), *script_args]
-    start = time.monotonic()
-    # SIGTERM on a timeout is the launcher's cue to stop its workers; subprocess.run would SIGKILL it instead.
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.terminate()
-        stdout, stderr = proc.communicate(timeout=60)
-        raise RuntimeError(f"timed out after {timeout:g} s: {' '.join(command)}\n{stderr[-3000:]}") from None
-    wall = time.monotonic() - start
+    done = run_process(command, timeout)
     events_file = out / "events.jsonl"
     events = [json.loads(line) for line in events_file.read_text().splitlines()] if events_file.exists() else []
-    return {"code": proc.returncode, "wall": wall, "events": events, "stdout": stdout, "stderr": stderr}
+    return {"code": done.code, "wall": done.seconds, "events": events, "stdout": done.stdout, "stderr": done.stderr}
 
 
 def max_difference(a: Path, b: Path) -> float:
+    """The largest absolute difference between the arrays of two ``.npz`` files (inf if they hold other names)."""
     left, right = np.load(a), np.load(b)
     if left.files != right.files:
         return float("inf")
@@ -106,18 +95,17 @@ def analyse(job: dict[str, Any], plan: list[tuple[int, int, int]], step_time: fl
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
-    parser.add_argument("--kills", type=int, default=2, help="K: kills per faulted job (and --max-restarts K)")
-    parser.add_argument("--jobs", type=int, default=2, help="faulted jobs, each with its own random plan")
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--checkpoint-every", type=int, default=5, help="steps between mid-epoch checkpoints")
+    positive = int_at_least(1)
+    parser.add_argument("--kills", type=positive, default=2, help="K: kills per faulted job (and --max-restarts K)")
+    parser.add_argument("--jobs", type=positive, default=2, help="faulted jobs, each with its own random plan")
+    parser.add_argument("--epochs", type=positive, default=4)
+    parser.add_argument("--checkpoint-every", type=positive, default=5, help="steps between mid-epoch checkpoints")
     parser.add_argument("--stop-timeout", type=float, default=10.0, help="the launcher's grace period (its default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900.0, help="per job")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--keep", action="store_true", help="keep the jobs' folders (printed)")
     args = parser.parse_args(argv)
-    if args.kills < 1 or args.jobs < 1:
-        parser.error("--kills and --jobs must be >= 1")
 
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="paraml-bench-faults-"))
@@ -190,17 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         f"reference: {total_steps} steps, {step_time * 1e3:.1f} ms/step, {reference['wall']:.1f} s wall "
         f"(2 workers, --stop-timeout {args.stop_timeout:g}, checkpoint every {args.checkpoint_every} steps)"
     )
-    columns = [("job", 3), ("restart", 7), ("worker", 6), ("kill@", 5), ("resume@", 7), ("redone", 6)]
-    print(" ".join(f"{name:>{width}}" for name, width in [*columns, ("down s", 7), ("lost s", 7)]))
+    header = ["job", "restart", "worker", "kill@", "resume@", "redone", "down s", "lost s"]
     for job in jobs:
-        for r in job["restarts"]:
-            if "missing" in r:
-                print(f"{job['job']:>3} {r['restart']:>7} {r['worker']:>6} {r['kill_step']:>5}  (no event: see output)")
-                continue
-            print(
-                f"{job['job']:>3} {r['restart']:>7} {r['worker']:>6} {r['kill_step']:>5} {r['resumed_from_step']:>7} "
-                f"{r['redone_steps']:>6} {r['downtime_s']:>7.2f} {r['lost_s']:>7.2f}"
-            )
+        keys = ("resumed_from_step", "redone_steps", "downtime_s", "lost_s")  # None (-) when an event is missing
+        rows = [[job["job"], r["restart"], r["worker"], r["kill_step"], *map(r.get, keys)] for r in job["restarts"]]
+        print(format_table(rows, header))
         verdict = "matches the reference" if job["matches_reference"] else "DOES NOT match the reference"
         print(
             f"    job {job['job']}: exit {job['exit_code']}, {job['restarts_logged']} restarts logged, max |dw| "
@@ -212,9 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{result['median_lost_per_restart_s']} s, downtime {result['median_downtime_per_restart_s']} s, "
         f"whole-job overhead {result['median_overhead_per_restart_s']} s"
     )
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print("JSON " + json.dumps(result))
+    write_json(result, args.json)
     return 0 if result["all_match_reference"] else 1
 
 

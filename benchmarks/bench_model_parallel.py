@@ -1,7 +1,7 @@
 """What ``Parallel("model_parallel")`` costs and what it buys, as ratios measured in one process.
 
 The model is 12 identical ``Dense(512)`` layers on a 512-wide input (ReLU except the last, which gives 512 logits),
-trained with Adam at the global batch of :data:`paraml.bench.GLOBAL_BATCH`. Identical layers make balanced stages
+trained with Adam at the global batch of :data:`paraml.benchmark.GLOBAL_BATCH`. Identical layers make balanced stages
 possible, so the numbers below measure paraml, not a lopsided model. A keras_hub ``GPT2CausalLM`` (random init, a
 small config built from its classes, no download) is timed next to it: the staging cost on a real transformer, run by
 its own ``call`` with each unit under its stage's device. Three questions:
@@ -12,22 +12,18 @@ its own ``call`` with each unit under its stage's device. Three questions:
    the price of the split itself (target: <= 1.10). Measured on the Dense stack and on GPT-2 (``--gpt2-*`` options
    set its size; ``--gpt2-layers 0`` leaves it out), in the same interleaved rounds.
 2. **The gain of pipelining.** Throughput (samples/s) with ``micro_batches`` 2, 4 and 8 against 1, printed next to
-   the ideal GPipe gain ``K*M/(M+K-1)`` for K = 2 stages (bubble-limited, communication-free). Here the devices are
-   logical CPUs that share ONE thread pool (field notes 7): stage 1 working on micro-batch i while stage 0 works on
-   i+1 competes for the same cores, which one micro-batch's large matmuls (and its independent backward matmuls)
-   already keep busy. So this ratio is not what a GPU would show; what it does exercise is the code path a GPU
-   takes (the same ``tf.function``, the same split, the same per-stage ``tf.device`` placement).
+   the ideal GPipe gain ``K*M/(M+K-1)`` for K = 2 stages (bubble-limited, communication-free). Simulated devices are
+   logical CPUs sharing ONE thread pool: stage 1 working on micro-batch i while stage 0 works on i+1 competes for the
+   same cores, which one micro-batch's large matmuls already keep busy. So this ratio is not what a GPU would show;
+   what it does exercise is the code path a GPU takes (the same ``tf.function``, split and ``tf.device`` placement).
 3. **Memory.** The largest stage's parameter-plus-optimizer bytes, counted from the real variables
-   (:func:`paraml.bench.variable_bytes_per_device` of the model's weights and Adam's variables), against a perfect
+   (:func:`paraml.benchmark.variable_bytes_per_device` of the model's weights and Adam's variables), against a perfect
    1/K split of the same total, for K = 2 and 4 (target: <= 1.10), with the stage plan (``par.describe()``).
 
-Timing follows field notes 9: every variant runs in this one process, after tracing and a warm-up window; the timed
-windows are interleaved in rounds whose order rotates (A B C, B C A, ...); each window is one ``fit`` call of
-``--steps`` + 1 batches timed from the end of its first batch to its last (``paraml.bench._step_clock``), so a fit
-call's fixed costs stay out; each variant's median is reported, and ratios both as the ratio of medians and as the
-median of per-round ratios (windows adjacent in time). The process CPU time over the same steps is recorded too:
-it hardly moves when other programs take the cores (wall time does), and CPU/wall is how many cores the variant
-kept busy.
+Timing is :mod:`paraml.benchmark`'s: every variant in this one process, windows interleaved, each one ``fit`` call of
+``--steps`` + 1 batches timed from the end of its first batch to its last; ratios both as the ratio of medians and as
+the median of per-round ratios. The process CPU time over the same steps is reported too: CPU/wall is how many cores
+the variant kept busy.
 
 ``--threads-per-device N`` sets TensorFlow's intra-op thread pool (shared by all logical devices) to N threads before
 anything else; 1 brings the logical CPUs closer to one core per device.
@@ -38,17 +34,14 @@ anything else; 1 brings the logical CPUs closer to one core per device.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
-import platform
-import resource
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+from paraml.benchmark import int_at_least  # noqa: E402  (imports no TensorFlow)
 
 #: Pipeline stages timed (questions 1 and 2) and stage counts whose memory split is measured (question 3).
 TIMED_STAGES = 2
@@ -58,19 +51,20 @@ TARGET = 1.10
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--threads-per-device", type=int, default=0, help="intra-op threads (0: TF's default)")
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per window (default 30)")
-    parser.add_argument("--windows", type=int, default=7, help="timed rounds (default 7; the median is reported)")
+    positive = int_at_least(1)
+    parser.add_argument("--threads-per-device", type=int_at_least(0), default=0, help="intra-op threads (0: default)")
+    parser.add_argument("--steps", type=positive, default=30, help="timed steps per window (default 30)")
+    parser.add_argument("--windows", type=positive, default=7, help="timed rounds (default 7; the median is reported)")
     parser.add_argument("--micro-batches", default="2,4,8", help="micro-batch counts compared with 1 (default 2,4,8)")
-    parser.add_argument("--layers", type=int, default=12, help="Dense layers (default 12)")
-    parser.add_argument("--width", type=int, default=512, help="width of the input and of every layer (default 512)")
-    parser.add_argument("--gpt2-layers", type=int, default=4, help="GPT-2 transformer layers (default 4; 0: no GPT-2)")
-    parser.add_argument("--gpt2-hidden", type=int, default=128, help="GPT-2 hidden size (default 128)")
-    parser.add_argument("--gpt2-seq", type=int, default=64, help="GPT-2 sequence length (default 64)")
-    parser.add_argument("--gpt2-vocab", type=int, default=1000, help="GPT-2 vocabulary size (default 1000)")
-    parser.add_argument("--gpt2-batch", type=int, default=32, help="GPT-2 global batch (default 32)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="print every round's window times")
-    parser.add_argument("--json", metavar="PATH", help="also write the JSON result line to PATH")
+    parser.add_argument("--layers", type=positive, default=12, help="Dense layers (default 12)")
+    parser.add_argument("--width", type=positive, default=512, help="width of the input and of every layer")
+    parser.add_argument("--gpt2-layers", type=int_at_least(0), default=4, help="GPT-2 layers (default 4; 0: none)")
+    parser.add_argument("--gpt2-hidden", type=positive, default=128, help="GPT-2 hidden size (default 128)")
+    parser.add_argument("--gpt2-seq", type=positive, default=64, help="GPT-2 sequence length (default 64)")
+    parser.add_argument("--gpt2-vocab", type=positive, default=1000, help="GPT-2 vocabulary size (default 1000)")
+    parser.add_argument("--gpt2-batch", type=positive, default=32, help="GPT-2 global batch (default 32)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print every round's step times")
+    parser.add_argument("--json", metavar="PATH", help="also write the JSON record to PATH")
     return parser.parse_args(argv)
 
 
@@ -82,17 +76,26 @@ def main(argv: list[str] | None = None) -> int:
         tf.config.threading.set_intra_op_parallelism_threads(args.threads_per_device)
     import paraml
 
-    devices = paraml.ensure_devices(max(MEMORY_STAGES + (TIMED_STAGES,)))  # before anything touches a device
+    devices = paraml.ensure_devices(max((*MEMORY_STAGES, TIMED_STAGES)))  # before anything touches a device
 
     import keras
     import numpy as np
 
-    from paraml import Parallel
-    from paraml.bench import GLOBAL_BATCH, _step_clock, variable_bytes_per_device
+    from paraml.benchmark import (
+        GLOBAL_BATCH,
+        Spec,
+        Workload,
+        environment,
+        format_table,
+        make_parallel,
+        measure,
+        paired,
+        peak_rss_mib,
+        progress_printer,
+        variable_bytes_per_device,
+        write_json,
+    )
     from paraml.sizes import format_bytes
-
-    def log(message: str) -> None:
-        print(f"[bench_model_parallel] {message}", file=sys.stderr, flush=True)
 
     width, depth = args.width, args.layers
     micro_batches = [int(m) for m in args.micro_batches.split(",") if m.strip()]
@@ -117,65 +120,40 @@ def main(argv: list[str] | None = None) -> int:
     def token_loss(y_true: Any, y_pred: Any) -> Any:
         return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True), axis=-1)
 
-    def build(strategy: str, gpt2: bool = False, **options: Any) -> Parallel:
-        par = Parallel(strategy, seed=0, **options)
-        loss = token_loss if gpt2 else keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        par.build(gpt2_fn if gpt2 else model_fn, optimizer=keras.optimizers.Adam(1e-3), loss=loss)
-        return par
-
+    calls = args.steps + 1  # batches per fit call: the steady state is timed over the last args.steps
     rng = np.random.default_rng(0)
-    rows = (args.steps + 1) * GLOBAL_BATCH
-    x = rng.random((rows, width), dtype=np.float32)
-    y = rng.integers(0, width, rows).astype(np.int32)
-    gpt2_rows = (args.steps + 1) * args.gpt2_batch
-    ids = rng.integers(0, args.gpt2_vocab, (gpt2_rows, args.gpt2_seq)).astype(np.int32)
+    x = rng.random((calls * GLOBAL_BATCH, width), dtype=np.float32)
+    y = rng.integers(0, width, calls * GLOBAL_BATCH).astype(np.int32)
+    dense = Workload(model_fn, x, y, calls, GLOBAL_BATCH, "adam")
+    ids = rng.integers(0, args.gpt2_vocab, (calls * args.gpt2_batch, args.gpt2_seq)).astype(np.int32)
     gpt2_x = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
-    gpt2_y = np.roll(ids, -1, axis=1)
-    data = {False: (x, y, GLOBAL_BATCH), True: (gpt2_x, gpt2_y, args.gpt2_batch)}
+    gpt2 = Workload(gpt2_fn, gpt2_x, np.roll(ids, -1, axis=1), calls, args.gpt2_batch, "adam", token_loss)
 
-    # -- build, trace and warm up every timed variant ---------------------------------------------------------------
-    specs: list[tuple[str, str, dict[str, Any]]] = [("single", "single", {})]
-    specs += [
-        (f"mp{TIMED_STAGES} mb={m}", "model_parallel", {"devices": TIMED_STAGES, "micro_batches": m})
-        for m in [1, *micro_batches]
-    ]
+    def staged(k: int, m: int, tag: str = "") -> Spec:
+        return Spec("model_parallel", k, options={"micro_batches": m}, tag=tag)
+
+    plan = [(Spec("single"), dense)] + [(staged(TIMED_STAGES, m), dense) for m in [1, *micro_batches]]
     if args.gpt2_layers:
-        specs += [
-            ("gpt2 single", "single", {"gpt2": True}),
-            (f"gpt2 mp{TIMED_STAGES} mb=1", "model_parallel", {"gpt2": True, "devices": TIMED_STAGES}),
-        ]
-    variants: dict[str, Callable[[], tuple[float, float]]] = {}
-    pars: dict[str, Parallel] = {}
-    first_step_s: dict[str, float] = {}
-    batches: dict[str, int] = {}
-    for i, (name, strategy, options) in enumerate(specs, start=1):
-        log(f"{i}/{len(specs)} build, trace and warm up {name}")
-        par = pars[name] = build(strategy, **options)
-        vx, vy, batch = data[bool(options.get("gpt2"))]
-        batches[name] = batch
-        start = time.perf_counter()
-        first_x = {k: v[:batch] for k, v in vx.items()} if isinstance(vx, dict) else vx[:batch]
-        par.fit(first_x, vy[:batch], batch_size=batch, verbose=0)  # traces the step
-        first_step_s[name] = time.perf_counter() - start
-
-        def window(par: Parallel = par, vx: Any = vx, vy: Any = vy, batch: int = batch) -> tuple[float, float]:
-            """One fit call: steady-state (wall ms per step, process CPU ms per step), over the same batches."""
-            clock, cpu = _step_clock(), _step_clock(time.process_time)  # wall and CPU time of the same batches
-            par.fit(vx, vy, batch_size=batch, verbose=0, shuffle=False, callbacks=[clock, cpu])
-            return clock.ms_per_step(), cpu.ms_per_step()
-
-        window()  # warm-up
-        variants[name] = window
+        plan += [(Spec("single", tag="gpt2"), gpt2), (staged(TIMED_STAGES, 1, "gpt2"), gpt2)]
+    progress = progress_printer("bench_model_parallel")
+    show = "step_ms" if args.verbose else None
+    results, variants = measure(plan, args.windows, progress=progress, show=show)
+    by_label = {r.label: r for r in results}
+    pars = {r.label: v.parallel for r, v in zip(results, variants)}
 
     # -- memory: the real variables of each stage, K = 2 and 4 -------------------------------------------------------
     memory: dict[str, Any] = {}
     plans: dict[int, str] = {}
     for k in MEMORY_STAGES:
-        name = f"mp{k} mb=1"
-        par = pars[name] if name in pars else build("model_parallel", devices=k, micro_batches=1)
-        per_device = variable_bytes_per_device(par.model.weights + par.model.optimizer.variables)
-        total = sum(per_device.values())
-        largest = max(per_device.values())
+        label = staged(k, 1).label
+        if label in pars:
+            par, per_device = pars[label], by_label[label].variable_bytes_per_device
+        else:  # not timed: built and trained one batch here, so Adam's variables exist as in the timed ones
+            par = make_parallel(staged(k, 1))
+            par.build(model_fn, **dense.compile_args())
+            par.fit(x[:GLOBAL_BATCH], y[:GLOBAL_BATCH], batch_size=GLOBAL_BATCH, verbose=0)
+            per_device = variable_bytes_per_device(par.model.weights + par.model.optimizer.variables)
+        total, largest = sum(per_device.values()), max(per_device.values())
         plans[k] = par.describe()
         memory[str(k)] = {
             "bytes_per_device": per_device,
@@ -185,42 +163,27 @@ def main(argv: list[str] | None = None) -> int:
             "largest_vs_perfect": largest / (total / k),
             "stages": [list(stage.layers) for stage in par.plan.stages],
         }
-    single = pars["single"]
-    single_bytes = sum(variable_bytes_per_device(single.model.weights + single.model.optimizer.variables).values())
-
-    # -- timed windows, interleaved with a rotating order ------------------------------------------------------------
-    names = list(variants)
-    ms: dict[str, list[float]] = {name: [] for name in names}
-    cpu_ms: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(args.windows):
-        log(f"timed round {r + 1}/{args.windows} of {len(names)} variants, interleaved")
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            gc.collect()
-            step_ms, step_cpu_ms = variants[name]()
-            ms[name].append(step_ms)
-            cpu_ms[name].append(step_cpu_ms)
-        if args.verbose:
-            log("  ms/step: " + "  ".join(f"{n} {ms[n][-1]:.1f}" for n in names))
-
-    median = {name: statistics.median(values) for name, values in ms.items()}
-
-    cpu_median = {name: statistics.median(values) for name, values in cpu_ms.items()}
-    cores = {name: statistics.median(c / w for c, w in zip(cpu_ms[name], ms[name])) for name in names}
+    single_bytes = sum(by_label["single@1"].variable_bytes_per_device.values())
 
     def ratios(a: str, b: str) -> dict[str, float]:
         """Step time of ``a`` over ``b``: ratio of medians, median of the per-round ratios, ratio of CPU medians."""
+        ra, rb = by_label[a], by_label[b]
         return {
-            "median": median[a] / median[b],
-            "paired": statistics.median(p / q for p, q in zip(ms[a], ms[b])),
-            "cpu": cpu_median[a] / cpu_median[b],
+            "median": ra.step_ms / rb.step_ms,
+            "paired": paired(ra.windows_ms["step_ms"], rb.windows_ms["step_ms"]),
+            "cpu": ra.step_cpu_ms / rb.step_cpu_ms,
         }
 
-    base = f"mp{TIMED_STAGES} mb=1"
-    staging = ratios(base, "single")
-    gpt2_staging = ratios(f"gpt2 mp{TIMED_STAGES} mb=1", "gpt2 single") if args.gpt2_layers else None
+    def cores(label: str) -> float:
+        windows = by_label[label].windows_ms
+        return statistics.median(c / w for c, w in zip(windows["step_cpu_ms"], windows["step_ms"]))
+
+    base = staged(TIMED_STAGES, 1).label
+    staging = ratios(base, "single@1")
+    gpt2_staging = ratios(staged(TIMED_STAGES, 1, "gpt2").label, "gpt2 single@1") if args.gpt2_layers else None
     pipeline = {}
     for m in micro_batches:
-        slower = ratios(f"mp{TIMED_STAGES} mb={m}", base)  # step time ratio; throughput is its inverse
+        slower = ratios(staged(TIMED_STAGES, m).label, base)  # step time ratio; throughput is its inverse
         pipeline[str(m)] = {
             "throughput_ratio": 1 / slower["median"],
             "throughput_ratio_paired": 1 / slower["paired"],
@@ -232,25 +195,29 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model {depth} x Dense({width}) on a {width}-wide input, Adam, global batch {GLOBAL_BATCH}; "
         f"{os.cpu_count()} CPU cores, {len(devices)} logical devices, intra-op threads: {threads}; "
-        f"{args.windows} interleaved windows of {args.steps} steps, medians"
+        f"{args.windows} interleaved windows of {args.steps} steps, medians\n"
     )
-    print()
-    header = f"{'variant':<18}{'step ms':>9}{'min':>8}{'max':>8}{'samples/s':>11}{'cpu ms':>8}{'cores busy':>12}"
-    header += f"{'first step s':>14}"
-    print(header)
-    print("-" * len(header))
-    for name in names:
-        print(
-            f"{name:<18}{median[name]:>9.2f}{min(ms[name]):>8.2f}{max(ms[name]):>8.2f}"
-            f"{batches[name] / median[name] * 1000:>11.0f}{cpu_median[name]:>8.2f}{cores[name]:>12.2f}"
-            f"{first_step_s[name]:>14.2f}"
-        )
+    header = ["variant", "step ms", "min", "max", "samples/s", "cpu ms", "cores busy", "first step s"]
+    rows = [
+        [
+            r.label,
+            r.step_ms,
+            min(r.windows_ms["step_ms"]),
+            max(r.windows_ms["step_ms"]),
+            f"{r.samples_per_s:.0f}",
+            r.step_cpu_ms,
+            cores(r.label),
+            r.first_step_s,
+        ]
+        for r in results
+    ]
+    print(format_table(rows, header))
     print()
 
     def verdict(value: float) -> str:
         return f"target <= {TARGET:.2f}: {'met' if value <= TARGET else 'NOT met'}"
 
-    print(f"1. Cost of staging: step time of {base} / single")
+    print(f"1. Cost of staging: step time of {base} / single@1")
     print(
         f"   Dense stack: {staging['median']:.3f} (ratio of medians), {staging['paired']:.3f} (median of per-round "
         f"ratios), {staging['cpu']:.3f} (CPU time); {verdict(staging['median'])}"
@@ -263,17 +230,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{verdict(gpt2_staging['median'])}"
         )
         print("   GPT-2 plan:")
-        print("\n".join("   " + line for line in pars[f"gpt2 mp{TIMED_STAGES} mb=1"].describe().splitlines()))
+        print("\n".join("   " + line for line in pars[staged(TIMED_STAGES, 1, "gpt2").label].describe().splitlines()))
     print()
     print(f"2. Pipelining, K={TIMED_STAGES} stages: throughput with M micro-batches / with 1")
-    print(f"   {'M':>3}{'measured':>10}{'paired':>9}{'ideal K*M/(M+K-1)':>20}")
-    for m, row in pipeline.items():
-        print(f"   {m:>3}{row['throughput_ratio']:>10.3f}{row['throughput_ratio_paired']:>9.3f}{row['ideal']:>20.3f}")
+    rows = [
+        [m, f"{row['throughput_ratio']:.3f}", f"{row['throughput_ratio_paired']:.3f}", f"{row['ideal']:.3f}"]
+        for m, row in pipeline.items()
+    ]
+    print("\n".join("   " + line for line in format_table(rows, ["M", "measured", "paired", "ideal"]).splitlines()))
     print(
-        "   NOTE: the devices are logical CPUs sharing ONE thread pool (the same "
-        f"{os.cpu_count()} cores): stages cannot run\n"
-        "   side by side as on separate GPUs, so this pipeline ratio is not a GPU's. The code path is the one a GPU\n"
-        "   takes: the same tf.function, micro-batch split and per-stage tf.device placement."
+        f"   NOTE: the devices are logical CPUs sharing ONE thread pool (the same {os.cpu_count()} cores): stages "
+        "cannot run\n   side by side as on separate GPUs, so this pipeline ratio is not a GPU's. The code path is the "
+        "one a GPU\n   takes: the same tf.function, micro-batch split and per-stage tf.device placement."
     )
     print()
     print("3. Memory: largest stage's parameter + optimizer (Adam) bytes / a perfect 1/K split of the total")
@@ -286,12 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"        per device: {per_device}")
     for k, text in plans.items():
-        print()
-        print(f"   plan, K={k} (par.describe()):")
+        print(f"\n   plan, K={k} (par.describe()):")
         print("\n".join("   " + line for line in text.splitlines()))
-    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print()
-    print(f"peak RSS of the process: {peak_rss_mib:.0f} MiB")
+    print(f"\npeak RSS of the process: {peak_rss_mib():.0f} MiB")
 
     record = {
         "benchmark": "model_parallel",
@@ -300,18 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "windows": args.windows,
         "threads_per_device": threads,
-        "variants": {
-            name: {
-                "step_ms": median[name],
-                "samples_per_s": batches[name] / median[name] * 1000,
-                "windows_ms": ms[name],
-                "cpu_ms_per_step": cpu_median[name],
-                "cpu_windows_ms": cpu_ms[name],
-                "cores_busy": cores[name],
-                "first_step_s": first_step_s[name],
-            }
-            for name in names
-        },
+        "results": results,
+        "cores_busy": {r.label: cores(r.label) for r in results},
         "staging_vs_single": staging,
         "gpt2_staging_vs_single": gpt2_staging,
         "gpt2": {
@@ -324,19 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         "pipeline": pipeline,
         "memory": memory,
         "single_bytes": single_bytes,
-        "peak_rss_mib": peak_rss_mib,
-        "environment": {
-            "tensorflow": tf.__version__,
-            "keras": keras.__version__,
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "devices": list(devices),
-            "gpus": len(tf.config.list_physical_devices("GPU")),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        },
+        "peak_rss_mib": peak_rss_mib(),
+        "environment": environment(devices=list(devices)),
     }
-    from common import write_json  # imported here: it imports TensorFlow, which must not start before the devices
-
     write_json(record, args.json)
     return 0
 

@@ -1,5 +1,6 @@
 """Checkpoints: exact resume, crash and resume, kill during save, portability across backends, bad input."""
 
+import gc
 import os
 import signal
 import subprocess
@@ -151,6 +152,23 @@ def test_kill_during_save_leaves_a_checkpoint_that_restores(tmp_path):
     assert state.seed == 3
 
 
+def test_a_resume_says_where_once_and_tensorflow_stays_quiet(tmp_path, data, capfd):
+    x, y = data
+    make("single").fit(x, y, batch_size=50, epochs=2, verbose=0, checkpoint_dir=tmp_path)
+    capfd.readouterr()
+    make("single").fit(x, y, batch_size=50, epochs=3, verbose=0, checkpoint_dir=tmp_path)
+    gc.collect()  # TensorFlow warns about unrestored values when the restore's status is deleted
+    out, err = capfd.readouterr()
+    resumed = [line for line in out.splitlines() if line.startswith("paraml: ")]
+    assert resumed == [f"paraml: resumed from {tmp_path / 'ckpt-000002'} at epoch 2, step 0"]
+    assert "unrestored" not in err and "could not be found" not in err
+    make("single").fit(x, y, batch_size=50, epochs=3, verbose=0, checkpoint_dir=tmp_path)
+    gc.collect()
+    out, err = capfd.readouterr()
+    assert f"paraml: already finished: 3 epochs done (checkpoint {tmp_path / 'ckpt-000003'})" in out.splitlines()
+    assert "unrestored" not in err and "could not be found" not in err
+
+
 # -- bad input --------------------------------------------------------------------------------------------------------
 def test_restore_from_a_missing_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
@@ -201,15 +219,16 @@ def test_fit_refuses_an_unwritable_checkpoint_dir_and_another_models_checkpoint(
     par = make("single")
     before = [w.copy() for w in par.model.get_weights()]
     try:
-        if os.access(locked, os.W_OK):  # root ignores the mode bits: use a path under a file instead
-            (tmp_path / "file").write_text("")
-            target = tmp_path / "file" / "ckpt"
-        else:
-            target = locked / "ckpt"
-        with pytest.raises(PermissionError, match="not writable"):
-            par.fit(x, y, verbose=0, checkpoint_dir=target)
+        if not os.access(locked, os.W_OK):  # root ignores the mode bits
+            with pytest.raises(PermissionError, match="not writable"):
+                par.fit(x, y, verbose=0, checkpoint_dir=locked / "ckpt")
     finally:
         locked.chmod(0o700)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NotADirectoryError, match="checkpoint_dir '.*file' is a file: give a directory"):
+        par.fit(x, y, verbose=0, checkpoint_dir=tmp_path / "file")
+    with pytest.raises(NotADirectoryError, match="is inside '.*file', which is a file"):
+        par.fit(x, y, verbose=0, checkpoint_dir=tmp_path / "file" / "ckpt")
     assert all(np.array_equal(a, b) for a, b in zip(before, par.model.get_weights()))
 
     make("single").fit(x, y, verbose=0, checkpoint_dir=tmp_path / "ckpt")

@@ -1,26 +1,57 @@
-"""The `paraml` command's small subcommands: devices, estimate, and its errors."""
+"""The `paraml` command's small subcommands: devices, estimate, and its errors; load_object, which estimate uses."""
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from paraml.cli import load_object
+from paraml.loading import load_object
 
 
-def paraml(*args, timeout=120):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+def paraml(*args, timeout=120, cwd=None, **env):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **env}
+    for name in [k for k, v in env.items() if v is None]:
+        del env[name]
     return subprocess.run(
-        [sys.executable, "-m", "paraml", *args], capture_output=True, text=True, timeout=timeout, env=env
+        [sys.executable, "-m", "paraml", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd
     )
 
 
-def test_devices_lists_simulated_devices():
+#: What TensorFlow's own logging looks like (absl/glog lines, and the line absl writes before it is initialised).
+TENSORFLOW_LOG = re.compile(r"^(?:[IWE]\d{4} |WARNING: All log messages before absl)", re.MULTILINE)
+
+
+def test_devices_lists_simulated_devices_and_why_there_is_no_gpu():
     done = paraml("devices", "--simulate", "3")
     assert done.returncode == 0, done.stderr
-    assert [line.split()[0] for line in done.stdout.splitlines()[1:]] == [f"/device:CPU:{i}" for i in range(3)]
-    assert "unknown" in done.stdout  # CPUs have no allocator statistics
+    lines = done.stdout.splitlines()
+    assert [line.split()[0] for line in lines[1:4]] == [f"/device:CPU:{i}" for i in range(3)]
+    assert "unknown" in done.stdout  # a CPU's capacity is not known to TensorFlow
+    assert lines[4].startswith("TensorFlow sees no GPU, so training runs on the CPU: ")
+    assert "nvidia-smi" in lines[4] or "CUDA" in lines[4]
+
+
+def test_commands_leave_tensorflow_logging_out_unless_asked():
+    quiet = paraml("devices", TF_CPP_MIN_LOG_LEVEL=None)  # the user's environment, not the tests'
+    assert quiet.returncode == 0 and not TENSORFLOW_LOG.search(quiet.stderr), quiet.stderr
+    loud = paraml("devices", TF_CPP_MIN_LOG_LEVEL=None, PARAML_LOG="1")
+    assert loud.returncode == 0 and TENSORFLOW_LOG.search(loud.stderr), loud.stderr
+
+
+def test_version_env_and_did_you_mean():
+    import paraml as package
+
+    version = paraml("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"paraml {package.__version__}" != "paraml unknown"
+    env = paraml("env", TF_CONFIG='{"cluster": {}}')
+    assert env.returncode == 0, env.stderr
+    for expected in (f"paraml {package.__version__}", "tensorflow 2.", "keras 3.", "TF_CONFIG=", "/device:CPU:0"):
+        assert expected in env.stdout
+    typo = paraml("devics")
+    assert typo.returncode == 2
+    assert "unknown command 'devics' (did you mean 'devices'?)" in typo.stderr
 
 
 def test_estimate_prints_the_breakdown(tmp_path):
@@ -53,7 +84,27 @@ def test_load_object_errors(spec, message):
         load_object(spec)
 
 
+def test_load_object_finds_module_and_file_attributes(tmp_path):
+    from paraml.demo import digits_model
+
+    assert load_object("paraml.demo:digits_model") is digits_model
+    module = tmp_path / "models.py"
+    module.write_text("def make():\n    return 42\n")
+    assert load_object(f"{module}:make")() == 42
+    with pytest.raises(FileNotFoundError, match="no file"):
+        load_object(f"{tmp_path / 'missing.py'}:make")
+
+
 def test_cli_errors_are_one_line_and_exit_2():
     done = paraml("estimate", "nocolon")
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith("paraml estimate: error: expected MODULE:FUNCTION")
+
+
+def test_estimate_finds_a_module_in_the_current_folder(tmp_path):
+    (tmp_path / "mymodels.py").write_text(
+        "import keras\ndef make():\n    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])\n"
+    )
+    done = paraml("estimate", "mymodels:make", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "parameters" in done.stdout

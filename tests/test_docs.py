@@ -7,6 +7,7 @@ Each snippet runs in a fresh interpreter (device layouts are fixed per process);
 
 import doctest
 import importlib
+import itertools
 import os
 import re
 import subprocess
@@ -77,9 +78,10 @@ def test_reference_names_every_public_name():
 def _table(heading: str) -> list[list[str]]:
     """The rows (cells) of the first table under ``heading`` in docs/reference.md."""
     text = (ROOT / "docs" / "reference.md").read_text()
-    section = text.split(heading, 1)[1]
-    rows = [line for line in section.splitlines() if line.startswith("|")]
-    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows[2:]]
+    lines = text.split(heading, 1)[1].splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = list(itertools.takewhile(lambda line: line.startswith("|"), lines[first:]))
+    return [[cell.strip() for cell in re.split(r"(?<!\\)\|", row.strip("|"))] for row in rows[2:]]
 
 
 def _names(cell: str) -> set[str]:

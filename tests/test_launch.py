@@ -244,6 +244,38 @@ def test_failing_worker_stops_a_sleeping_worker(tmp_path: Path) -> None:
     _assert_gone(_pid(tmp_path, 1))
 
 
+def test_a_failure_ends_with_a_summary_and_the_others_secondary_errors_cut_short(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        """
+        print("I0000 00:00:1796279575.740511   28097 cudart_stub.cc:31] Could not find cuda drivers", file=sys.stderr)
+        print("WARNING: All log messages before absl::InitializeLog() is called are written to STDERR", file=sys.stderr)
+        if INDEX == 1:
+            wait_for("pid0")
+            time.sleep(0.5)
+            raise ValueError("the real cause")
+        signal.signal(signal.SIGTERM, lambda *_: (print("\\n".join(f"secondary {i}" for i in range(40))), sys.exit(3)))
+        time.sleep(1000)
+        """,
+    )
+    out, err = io.StringIO(), io.StringIO()
+    assert launch(str(script), num_workers=2, stop_timeout=5, out=out, err=err) == 1
+    text = out.getvalue()
+    assert "cudart_stub" not in text and "absl::InitializeLog" not in text  # TensorFlow's own logging left out
+    assert "[worker 0] secondary 4" in text and "[worker 0] secondary 5" not in text
+    summary = err.getvalue().strip().splitlines()[-1]
+    assert summary.startswith("paraml launch: worker 1 failed first: it exited with code 1; its last error line: ")
+    assert "ValueError: the real cause" in summary and "35 lines the other workers printed after it" in summary
+
+
+def test_paraml_log_keeps_every_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = _script(tmp_path, 'print("I0000 00:00:17.5   2 port.cc:153] oneDNN custom operations are on.")\n')
+    monkeypatch.setenv("PARAML_LOG", "1")
+    out = io.StringIO()
+    assert launch(str(script), num_workers=1, out=out) == 0
+    assert "[worker 0] I0000 00:00:17.5   2 port.cc:153] oneDNN custom operations are on." in out.getvalue()
+
+
 def test_worker_ignoring_sigterm_in_a_busy_loop_is_killed(tmp_path: Path) -> None:
     script = _script(
         tmp_path,
@@ -805,3 +837,25 @@ def test_a_killed_worker_resumes_from_the_checkpoint_with_the_uninterrupted_weig
     assert len(pids) == 4  # 2 workers x 2 runs
     for pid in pids:
         _assert_gone(pid)  # the launcher (a child of ours) reaped them all; nothing outlived it
+
+
+@_time_limit(120)
+def test_a_missing_worker_ends_the_wait_with_its_name(tmp_path: Path) -> None:
+    """A worker whose TF_CONFIG names a task that never starts exits non-zero, naming it, within the timeout; with
+    no timeout, SIGTERM still ends the wait."""
+    ports = find_free_ports(2)
+    tf_config = json.dumps(
+        {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": "worker", "index": 0}}
+    )
+    script = tmp_path / "alone.py"
+    script.write_text("import paraml\nparaml.Parallel('multi_worker')\nprint('formed')\n")
+    env = {**os.environ, "TF_CONFIG": tf_config, "TF_CPP_MIN_LOG_LEVEL": "3", "PARAML_CONNECT_TIMEOUT": "5"}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode != 0 and time.monotonic() - start < 60
+    assert f"worker 1 (127.0.0.1:{ports[1]}) never started" in done.stderr and "formed" not in done.stdout
+    env["PARAML_CONNECT_TIMEOUT"] = "none"
+    waiting = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(8)
+    waiting.send_signal(signal.SIGTERM)
+    assert waiting.wait(timeout=20) == -signal.SIGTERM

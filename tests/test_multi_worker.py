@@ -138,11 +138,15 @@ def test_tutorial_flow_survives_a_killed_worker_and_a_sigterm(tmp_path):
     for worker in (0, 1):  # both stopped at the step after the signal, together
         steps = [int(line.split()[-1]) for line in stopped.stdout.splitlines() if f"[worker {worker}] step" in line]
         assert steps[-1] == 15, stopped.stdout
+    saved = [line.split("] ", 1)[1] for line in stopped.stdout.splitlines() if "checkpoint saved to" in line]
+    assert len(saved) == 2 and len(set(saved)) == 1, saved  # every worker names the chief's checkpoint
     killed = run_launch("-n", "2", str(TUTORIAL), str(out), "--kill-at-epoch", "2")
     assert killed.returncode != 0
     assert "[worker 0] epoch 1 begins" in killed.stdout  # resumed mid epoch 1, then ran on to epoch 2
     resumed = run_launch("-n", "2", str(TUTORIAL), str(out))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    said = [line.split("] ", 1)[1] for line in resumed.stdout.splitlines() if "paraml: resumed from" in line]
+    assert len(said) == 2 and len(set(said)) == 1, said  # once per worker, the same checkpoint
     epochs = [line for line in resumed.stdout.splitlines() if line.startswith("[worker 0] epoch")]
     assert epochs == ["[worker 0] epoch 2 begins", "[worker 0] epoch 3 begins"]
     for i in range(2):

@@ -202,3 +202,36 @@ def test_a_plain_keras_mirrored_fit_after_paraml_still_works(data_1001):
         model.compile("sgd", logits_loss())
     history = model.fit(x, y, batch_size=66, epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"][0])
+
+
+@pytest.mark.parametrize(
+    "strategy, devices, options",
+    [("single", None, {}), ("mirrored", 2, {}), ("central_storage", 2, {}), ("model_parallel", 2, {})],
+)
+def test_every_verbose_gives_the_same_numbers(reference, strategy, devices, options, capsys):
+    par = build(strategy, devices, **options)
+    x, y = reference["x"][:200], reference["y"][:200]
+    quiet = par.evaluate(x, y, batch_size=64, verbose=0)
+    predicted = par.predict(x, batch_size=64, verbose=0)
+    capsys.readouterr()
+    for verbose in (1, 2, True, "auto"):
+        assert par.evaluate(x, y, batch_size=64, verbose=verbose) == quiet
+        np.testing.assert_array_equal(par.predict(x, batch_size=64, verbose=verbose), predicted)
+    shown = capsys.readouterr().out
+    assert "4/4" in shown and "loss" in shown  # Keras' progress bar for evaluate and predict
+
+
+def test_a_strategy_left_with_one_device_says_so(recwarn):
+    par = Parallel("mirrored", devices=1, seed=0)
+    with pytest.warns(UserWarning, match="strategy 'mirrored' has one device .*CPU:0.*: it trains like 'single'"):
+        par.build(lambda: small_mlp(), optimizer="sgd", loss=logits_loss())
+    assert "TensorFlow sees no GPU" in par.explain()
+    par.build(lambda: small_mlp(), optimizer="sgd", loss=logits_loss())  # once per Parallel
+    assert not [w for w in recwarn if "has one device" in str(w.message)][1:]
+    assert "one device" not in Parallel("mirrored", devices=2).explain()
+
+
+def test_workers_of_a_launch_that_do_not_form_a_cluster_are_warned(monkeypatch):
+    monkeypatch.setenv("PARAML_NUM_WORKERS", "2")  # what paraml launch -n 2 sets
+    with pytest.warns(UserWarning, match="paraml launch started 2 workers, but strategy 'mirrored' does not make"):
+        Parallel("mirrored", devices=2)

@@ -11,12 +11,16 @@ Public names are imported on first use, so ``paraml launch`` (which only starts 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import os
 from typing import TYPE_CHECKING, Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up chatter hides paraml's output
 
-__version__ = "0.1.0"
+try:  # one source of truth: the installed package's metadata (pyproject.toml)
+    __version__ = importlib.metadata.version("paraml")
+except importlib.metadata.PackageNotFoundError:  # pragma: no cover - run from a source tree without installing
+    __version__ = "unknown"
 
 #: public name -> module that defines it
 _EXPORTS = {

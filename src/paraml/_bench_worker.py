@@ -1,4 +1,5 @@
-"""The script each worker of ``paraml bench``'s multi_worker run executes (under ``paraml launch``)."""
+"""The script one timed process runs: a ``multi_worker`` worker of ``paraml bench`` or of
+``benchmarks/bench_multi_worker.py`` (under ``paraml launch``), or that benchmark's ``mirrored`` process."""
 
 import sys
 

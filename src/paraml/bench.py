@@ -3,350 +3,112 @@
 For a model (a preset or ``MODULE:FUNCTION``) and each backend at 1, 2 and 4 devices it measures throughput
 (samples/s, the median of several timed windows after warm-up), step time, time to the first step (tracing), the
 bytes of variables on each device and the process's peak memory. Every variant is timed two ways: the steady-state
-step (from the end of a ``fit`` call's first step to its last) and the whole ``fit`` call divided by its steps, whose
-difference is the fixed cost a ``fit`` call pays (``fixed_ms``: building the input pipeline, its iterator, ...).
+step and the whole ``fit`` call divided by its steps, whose difference is the fixed cost a ``fit`` call pays
+(``fixed_ms``); see :mod:`paraml.benchmark`, the harness that times it (and every script in ``benchmarks/``).
 
 Baselines, run next to paraml: plain Keras ``model.compile(); model.fit()`` on one device with no strategy (what users
-compare with), Keras ``fit`` under the same ``MirroredStrategy`` and a hand-written ``strategy.run`` loop; and, where
-TensorFlow allows it (``single``, ``mirrored``), paraml with ``jit_compile=True`` (XLA in the replica step). The
-ratios (paraml / Keras, XLA / no XLA) are medians of per-window ratios. Timings here are noisy (field notes, 9), so
-all variants run in one process and their windows are interleaved (A B C A B C ...): a disturbance hits every
-variant alike.
+compare with), Keras ``fit`` under a ``MirroredStrategy`` on the same devices and a hand-written ``strategy.run``
+loop; and, where TensorFlow allows it (``single``, ``mirrored``), paraml with ``jit_compile=True`` (XLA in the
+replica step). The ratios (paraml / Keras, XLA / no XLA) are medians of per-window ratios: timings on shared machines
+are noisy, so all variants run in one process with their windows interleaved.
 
-``multi_worker`` runs through ``paraml launch`` with 2 local workers running ``_bench_worker.py``.
+``multi_worker`` runs through ``paraml launch`` with 2 local workers running ``_bench_worker.py``
+(:func:`worker_main`), which ``benchmarks/bench_multi_worker.py`` runs too.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import resource
-import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .benchmark import (
+    GLOBAL_BATCH,
+    HANDWRITTEN,
+    KERAS_MIRRORED,
+    KERAS_SINGLE,
+    PRESETS,
+    BenchResult,
+    Spec,
+    Workload,
+    build_variant,
+    environment,
+    format_table,
+    int_at_least,
+    json_line,
+    make_parallel,
+    marked_results,
+    measure,
+    paired,
+    progress_printer,
+    random_data,
+    resolve_model,
+    time_variants,
+    write_json,
+)
+from .checks import check_int
+from .sizes import format_bytes
+
 __all__ = [
-    "BenchResult",
-    "PRESETS",
+    "MARKER",
     "RATIOS",
-    "TARGETS",
+    "WORKER",
+    "add_arguments",
     "compute_ratios",
-    "handwritten_step",
+    "format_ratios",
     "run_bench",
-    "variable_bytes_per_device",
+    "run_from_args",
+    "versus_keras_specs",
+    "worker_main",
 ]
-
-GLOBAL_BATCH = 256
-
-
-def _mlp() -> Any:
-    import keras
-
-    layers = [keras.layers.Dense(512, activation="relu") for _ in range(4)]
-    return keras.Sequential([keras.Input((256,)), *layers, keras.layers.Dense(10)], name="mlp")
-
-
-def _mlp2() -> Any:
-    """The 256-512-512-10 MLP of issue 13 and field notes 16 (the single-device comparison with plain Keras)."""
-    import keras
-
-    layers = [keras.layers.Dense(512, activation="relu") for _ in range(2)]
-    return keras.Sequential([keras.Input((256,)), *layers, keras.layers.Dense(10)], name="mlp2")
-
-
-def _cnn() -> Any:
-    import keras
-
-    return keras.Sequential(
-        [
-            keras.Input((32, 32, 3)),
-            keras.layers.Conv2D(32, 3, activation="relu", name="conv1"),
-            keras.layers.Conv2D(64, 3, strides=2, activation="relu", name="conv2"),
-            keras.layers.Conv2D(64, 3, strides=2, activation="relu", name="conv3"),
-            keras.layers.GlobalAveragePooling2D(name="pool"),
-            keras.layers.Dense(128, activation="relu", name="dense"),
-            keras.layers.Dense(10, name="logits"),
-        ],
-        name="cnn",
-    )
-
-
-def _transformer() -> Any:
-    import keras
-
-    class Block(keras.layers.Layer):
-        """Self-attention and a feed-forward network, each with a residual connection and layer norm."""
-
-        def __init__(self, width: int = 128, heads: int = 4, **kwargs: Any) -> None:
-            super().__init__(**kwargs)
-            self.attention = keras.layers.MultiHeadAttention(heads, width // heads)
-            self.ffn = keras.Sequential([keras.layers.Dense(4 * width, activation="gelu"), keras.layers.Dense(width)])
-            self.norm1, self.norm2 = keras.layers.LayerNormalization(), keras.layers.LayerNormalization()
-
-        def call(self, x: Any) -> Any:
-            x = self.norm1(x + self.attention(x, x))
-            return self.norm2(x + self.ffn(x))
-
-    inputs = keras.Input((32,), dtype="int32")
-    h = keras.layers.Embedding(1000, 128, name="embed")(inputs)
-    for i in range(2):
-        h = Block(name=f"block{i}")(h)
-    h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
-    return keras.Model(inputs, keras.layers.Dense(10, name="logits")(h), name="transformer")
-
-
-#: preset name -> (model_fn, input shape, input kind)
-PRESETS: dict[str, tuple[Callable[[], Any], tuple[int, ...], str]] = {
-    "mlp": (_mlp, (256,), "float"),
-    "mlp2": (_mlp2, (256,), "float"),
-    "cnn": (_cnn, (32, 32, 3), "float"),
-    "transformer": (_transformer, (32,), "tokens"),
-}
-
-
-def _data(shape: tuple[int, ...], kind: str, samples: int) -> tuple[Any, Any]:
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, 1000, (samples, *shape)).astype("int32") if kind == "tokens" else rng.random((samples, *shape))
-    return x.astype("int32" if kind == "tokens" else "float32"), rng.integers(0, 10, samples).astype("int32")
-
-
-def variable_bytes_per_device(variables: Sequence[Any]) -> dict[str, int]:
-    """Bytes of ``variables`` on each device (a mirrored variable counts once on every device holding a copy)."""
-    totals: dict[str, int] = {}
-    for variable in variables:
-        value = getattr(variable, "value", variable)
-        copies = getattr(value, "values", None) or (value,)
-        for copy in copies:
-            device = "/device:" + copy.device.split("device:")[-1]
-            totals[device] = totals.get(device, 0) + int(copy.shape.num_elements()) * copy.dtype.size
-    return dict(sorted(totals.items()))
-
-
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
-
-
-@dataclass
-class BenchResult:
-    """One row of ``paraml bench``: a backend on a number of devices (or a baseline)."""
-
-    backend: str
-    devices: int
-    micro_batches: int | None = None
-    xla: bool = False
-    samples_per_s: float = 0.0
-    step_ms: float = 0.0
-    """Steady-state milliseconds per step (median of the windows)."""
-    fit_call_ms: float = 0.0
-    """A whole ``fit`` call's milliseconds divided by its steps (median of the windows): what a user's epoch costs."""
-    fixed_ms: float = 0.0
-    """The fixed cost of one ``fit`` call: the whole call minus its steps at the steady-state step time."""
-    first_step_s: float = 0.0
-    variable_bytes_per_device: dict[str, int] = field(default_factory=dict)
-    peak_rss_mib: float = 0.0
-    windows_ms: list[float] = field(default_factory=list)
-    call_windows_ms: list[float] = field(default_factory=list)
-    steps_per_call: int = 0
-
-    @property
-    def label(self) -> str:
-        """``backend@devices`` plus micro-batches and ``xla`` where they apply."""
-        label = f"{self.backend}@{self.devices}" + (f" mb={self.micro_batches}" if self.micro_batches else "")
-        return label + (" xla" if self.xla else "")
-
-
-class _Runner:
-    """A variant whose ``window()`` runs one ``fit`` call (or as many steps) and returns the steady-state
-    milliseconds per step and the whole call's milliseconds per step."""
-
-    def __init__(self, result: BenchResult, window: Callable[[], tuple[float, float]]) -> None:
-        self.result, self.window = result, window
-
-
-def _timed_fit(fit: Callable[[Any], Any], steps: int) -> tuple[float, float]:
-    """Run ``fit(callbacks)`` of ``steps + 1`` batches: (steady ms per step, whole call ms per step)."""
-    clock = _step_clock()
-    start = time.perf_counter()
-    fit([clock])
-    whole = time.perf_counter() - start
-    return clock.ms_per_step(), whole * 1000 / (steps + 1)
-
-
-def _step_clock(clock: Callable[[], float] = time.perf_counter) -> Any:
-    """A Keras callback timing steady-state steps of one ``fit``: from the end of its first batch to its last.
-
-    The first batch of a fit call carries the call's fixed costs (a new iterator over the data, callbacks); they are
-    reported apart (``first_step_s``), and the windows compare the per-step cost, as the hand-written loop's do.
-    ``clock`` is wall time by default; ``time.process_time`` gives CPU time, steadier on a busy machine.
-    """
-    import keras
-
-    class StepClock(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            if batch == 0:
-                self.start, self.batches = clock(), 0
-            else:
-                self.end, self.batches = clock(), batch
-
-        def ms_per_step(self) -> float:
-            return (self.end - self.start) * 1000 / self.batches
-
-    return StepClock()
-
-
-def _paraml_runner(par: Any, model_fn: Callable[[], Any], data: Any, steps: int) -> _Runner:
-    """Build ``model_fn`` on ``par``, time its first step (tracing), warm up, and return its timed window (one fit
-    call of ``steps + 1`` batches of numpy input, as a user's epoch)."""
-    import keras
-
-    par.build(
-        model_fn,
-        optimizer=keras.optimizers.SGD(0.01),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
-    x, y = data
-    window_x, window_y = x[: (steps + 1) * GLOBAL_BATCH], y[: (steps + 1) * GLOBAL_BATCH]
-    start = time.perf_counter()
-    par.fit(x[:GLOBAL_BATCH], y[:GLOBAL_BATCH], batch_size=GLOBAL_BATCH, verbose=0)  # traces the step
-    micro_batches = getattr(par.backend, "micro_batches", None)
-    xla = par.jit_compile is True
-    result = BenchResult(par.strategy, len(par.devices), micro_batches, xla, first_step_s=time.perf_counter() - start)
-    result.variable_bytes_per_device = variable_bytes_per_device(par.model.weights + par.model.optimizer.variables)
-
-    def window() -> tuple[float, float]:
-        return _timed_fit(
-            lambda callbacks: par.fit(
-                window_x, window_y, batch_size=GLOBAL_BATCH, verbose=0, shuffle=False, callbacks=callbacks
-            ),
-            steps,
-        )
-
-    window()  # warm-up
-    return _Runner(result, window)
-
-
-def handwritten_step(strategy: Any, model: Any, optimizer: Any, loss: Any) -> Callable[[Any], Any]:
-    """The canonical TensorFlow custom training loop step (``strategy.run`` + ``GradientTape`` +
-    ``tf.nn.compute_average_loss``), the baseline paraml's loop is measured against."""
-    import tensorflow as tf
-
-    @tf.function
-    def step(iterator: Any) -> Any:
-        def replica(x: Any, y: Any) -> Any:
-            with tf.GradientTape() as tape:
-                per_sample = loss(y, model(x, training=True))
-                value = tf.nn.compute_average_loss(per_sample, global_batch_size=GLOBAL_BATCH)
-            grads = tape.gradient(value, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return value
-
-        return strategy.reduce("SUM", strategy.run(replica, args=next(iterator)), axis=None)
-
-    return step
-
-
-def _handwritten_runner(model_fn: Callable[[], Any], data: Any, steps: int) -> _Runner:
-    """The hand-written ``strategy.run`` loop under ``MirroredStrategy`` on 2 devices, over one iterator (it has no
-    per-call cost: its whole-call time is its ``steps + 1`` steps)."""
-    import keras
-    import tensorflow as tf
-
-    from .backends.distribute import MirroredBackend
-
-    x, y = data
-    window = tf.data.Dataset.from_tensor_slices((x[: (steps + 1) * GLOBAL_BATCH], y[: (steps + 1) * GLOBAL_BATCH]))
-    window = window.batch(GLOBAL_BATCH, drop_remainder=True)
-    hand = MirroredBackend(2)  # the same strategy paraml builds (collective keys kept apart)
-    with hand.strategy.scope():
-        model, optimizer = model_fn(), keras.optimizers.SGD(0.01)
-        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
-    step = handwritten_step(hand.strategy, model, optimizer, loss)
-    iterator = iter(hand.strategy.experimental_distribute_dataset(window.repeat()))
-    start = time.perf_counter()
-    step(iterator).numpy()
-    first = time.perf_counter() - start
-
-    def hand_window() -> tuple[float, float]:
-        begin = time.perf_counter()
-        step(iterator).numpy()  # as the clocked fits: time from the end of a first step
-        start = time.perf_counter()
-        for _ in range(steps):
-            value = step(iterator)
-        value.numpy()
-        end = time.perf_counter()
-        return (end - start) * 1000 / steps, (end - begin) * 1000 / (steps + 1)
-
-    hand_window()
-    return _Runner(BenchResult("handwritten-mirrored", 2, first_step_s=first), hand_window)
-
-
-def _keras_runner(
-    model_fn: Callable[[], Any], data: Any, steps: int, devices: int | None, jit_compile: bool = False
-) -> _Runner:
-    """Keras' own ``model.compile(); model.fit()`` on numpy input: with no strategy at all (``devices=None``: plain
-    Keras on one device, the baseline users know) or under ``MirroredStrategy`` on ``devices`` devices."""
-    import contextlib
-
-    import keras
-
-    from .backends.distribute import MirroredBackend
-
-    scope = MirroredBackend(devices).strategy.scope() if devices else contextlib.nullcontext()
-    with scope:
-        model = model_fn()
-        model.compile(
-            keras.optimizers.SGD(0.01),
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            jit_compile=jit_compile,
-        )
-    x, y = data
-    window_x, window_y = x[: (steps + 1) * GLOBAL_BATCH], y[: (steps + 1) * GLOBAL_BATCH]
-    start = time.perf_counter()
-    model.fit(x[:GLOBAL_BATCH], y[:GLOBAL_BATCH], batch_size=GLOBAL_BATCH, verbose=0)
-    first = time.perf_counter() - start
-    name = "keras-fit-mirrored" if devices else "keras-fit-single"
-
-    def window() -> tuple[float, float]:
-        return _timed_fit(
-            lambda callbacks: model.fit(
-                window_x, window_y, batch_size=GLOBAL_BATCH, verbose=0, shuffle=False, callbacks=callbacks
-            ),
-            steps,
-        )
-
-    window()
-    return _Runner(BenchResult(name, devices or 1, xla=jit_compile, first_step_s=first), window)
-
 
 #: Backends whose replica step TensorFlow can compile with XLA (``jit_compile=True``); the others refuse it.
 XLA_BACKENDS = ("single", "mirrored")
 
+#: The script each ``multi_worker`` worker runs (under ``paraml launch``): :func:`worker_main`.
+WORKER = Path(__file__).with_name("_bench_worker.py")
+#: What the chief prints before its result (JSON) on the line it prints it.
+MARKER = "PARAML_BENCH_RESULT "
 
-def _configs(
-    device_counts: Sequence[int], micro_batches: Sequence[int], quick: bool = False
-) -> list[tuple[str, int, dict[str, Any]]]:
-    """(strategy, devices, options) of the paraml rows. ``quick`` leaves out the rows no ratio needs on 1 device and
-    keeps XLA only where a ratio uses it (single@1, mirrored@2)."""
-    configs: list[tuple[str, int, dict[str, Any]]] = [("single", 1, {}), ("single", 1, {"jit_compile": True})]
+
+def _specs(device_counts: Sequence[int], micro_batches: Sequence[int], quick: bool = False) -> list[Spec]:
+    """The paraml rows, then the baselines. ``quick`` leaves out the rows no ratio needs: data-parallel rows on 1
+    device, XLA on more than 2 devices, Keras with XLA."""
+    specs = [Spec("single", 1), Spec("single", 1, jit_compile=True)]
     for n in device_counts:
         if quick and n == 1:
             continue
-        configs += [("mirrored", n, {})]
+        specs.append(Spec("mirrored", n))
         if not quick or n == 2:
-            configs += [("mirrored", n, {"jit_compile": True})]
-        configs += [("central_storage", n, {})]
+            specs.append(Spec("mirrored", n, jit_compile=True))
+        specs.append(Spec("central_storage", n))
         if n > 1:
-            configs += [("model_parallel", n, {"micro_batches": m}) for m in micro_batches]
-    return configs
+            specs += [Spec("model_parallel", n, options={"micro_batches": m}) for m in micro_batches]
+    specs.append(Spec(KERAS_SINGLE, 1))
+    if not quick:
+        specs.append(Spec(KERAS_SINGLE, 1, jit_compile=True))
+    if 2 in device_counts:
+        specs += [Spec(HANDWRITTEN, 2), Spec(KERAS_MIRRORED, 2)]
+    return specs
 
 
-def _multi_worker(preset: str, steps: int, windows: int, threads: int, progress: Callable[[str], None]) -> BenchResult:
+def versus_keras_specs(devices: int, xla: bool = True) -> list[Spec]:
+    """paraml against Keras' own ``fit``: ``single`` and plain Keras on one device, and, with ``devices`` > 1,
+    ``mirrored`` and Keras under a ``MirroredStrategy`` on ``devices`` devices; with ``xla``, the ``jit_compile=True``
+    twins (none of Keras under the strategy)."""
+    devices = check_int("devices", devices)
+    jit = (False, True) if xla else (False,)
+    specs = [spec for j in jit for spec in (Spec(KERAS_SINGLE, 1, jit_compile=j), Spec("single", 1, jit_compile=j))]
+    if devices > 1:
+        specs += [Spec("mirrored", devices, jit_compile=j) for j in jit] + [Spec(KERAS_MIRRORED, devices)]
+    return specs
+
+
+def _multi_worker(
+    model: str, steps_per_call: int, windows: int, threads: int, progress: Callable[[str], None]
+) -> BenchResult:
     """``multi_worker`` with 2 local workers through the launcher; the chief prints its result as JSON."""
     import io
 
@@ -354,55 +116,49 @@ def _multi_worker(preset: str, steps: int, windows: int, threads: int, progress:
 
     progress("multi_worker@2x1: starting 2 workers with paraml launch")
     captured = io.StringIO()
-    worker = str(Path(__file__).with_name("_bench_worker.py"))
-    code = launch(worker, [preset, str(steps), str(windows), str(threads)], num_workers=2, out=captured)
-    for line in captured.getvalue().splitlines():
-        if "PARAML_BENCH_RESULT " in line:
-            return BenchResult(**json.loads(line.split("PARAML_BENCH_RESULT ", 1)[1]))
-    raise RuntimeError(f"multi_worker benchmark failed (exit code {code}):\n{captured.getvalue()[-2000:]}")
+    options = ["--model", model, "--steps", str(steps_per_call), "--windows", str(windows), "--threads", str(threads)]
+    code = launch(str(WORKER), ["--strategy", "multi_worker", *options], num_workers=2, out=captured)
+    results = marked_results(captured.getvalue(), MARKER)
+    if code != 0 or len(results) != 1:
+        raise RuntimeError(f"multi_worker benchmark failed (exit code {code}):\n{captured.getvalue()[-2000:]}")
+    return BenchResult(**results[0])
 
 
-def worker_main(argv: Sequence[str]) -> None:
-    """One worker of the ``multi_worker`` benchmark (run by ``paraml launch``): time it, the chief prints JSON."""
-    import os
-
-    preset, steps, windows, threads = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
-    if threads:
+def worker_main(argv: Sequence[str] | None = None) -> None:
+    """One process timing paraml's ``fit`` on its own: a ``multi_worker`` worker (under ``paraml launch``) or
+    ``mirrored`` on 2 devices. The chief prints ``PARAML_BENCH_RESULT {json}``: every worker runs the same
+    synchronous steps, so its times are the cluster's."""
+    parser = argparse.ArgumentParser(prog="_bench_worker.py")
+    parser.add_argument("--strategy", choices=("multi_worker", "mirrored"), required=True)
+    parser.add_argument("--model", default="mlp", help=f"a preset ({', '.join(PRESETS)}) or MODULE:FUNCTION")
+    parser.add_argument("--batch-size", type=int_at_least(1), default=GLOBAL_BATCH, help="global batch")
+    parser.add_argument("--steps", type=int_at_least(2), default=32, help="batches per timed fit call")
+    parser.add_argument("--windows", type=int_at_least(1), default=5)
+    parser.add_argument("--threads", type=int_at_least(0), default=0, help="intra-op threads (0: TF's default)")
+    parser.add_argument("--optimizer", default="sgd", help="a Keras optimizer name (default sgd: SGD(0.01))")
+    args = parser.parse_args(argv)
+    if args.threads:
         import tensorflow as tf
 
-        tf.config.threading.set_intra_op_parallelism_threads(threads)
-    from .parallel import Parallel
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    if args.strategy == "multi_worker":
+        spec = Spec("multi_worker", None)
+    else:
+        from .devices import ensure_devices
 
-    par = Parallel("multi_worker", seed=0)  # before anything touches TensorFlow's devices
-    model_fn, shape, kind = PRESETS[preset]
-    runner = _paraml_runner(par, model_fn, _data(shape, kind, (steps + 1) * GLOBAL_BATCH), steps)
-    for _ in range(windows):
-        _record(runner)
-    _finish(runner.result, steps)
-    runner.result.devices = par.num_workers * len(par.devices)
-    if os.environ.get("PARAML_WORKER_INDEX") == "0":
-        print("PARAML_BENCH_RESULT " + json.dumps(asdict(runner.result)), flush=True)
-
-
-def _record(runner: _Runner) -> None:
-    steady, call = runner.window()
-    runner.result.windows_ms.append(steady)
-    runner.result.call_windows_ms.append(call)
+        ensure_devices(2)
+        spec = Spec("mirrored", 2)
+    par = make_parallel(spec)  # before anything touches TensorFlow's devices
+    model_fn, shape, kind = resolve_model(args.model)
+    x, y = random_data(shape, kind, args.steps * args.batch_size)  # the same data on every worker (seed 0)
+    work = Workload(model_fn, x, y, args.steps, args.batch_size, args.optimizer)
+    (result,) = time_variants([build_variant(spec, work, parallel=par)], args.windows)
+    if par.is_chief:
+        print(MARKER + json_line(result), flush=True)
 
 
-def _finish(result: BenchResult, steps: int) -> None:
-    result.step_ms = statistics.median(result.windows_ms)
-    result.samples_per_s = GLOBAL_BATCH / (result.step_ms / 1000)
-    result.steps_per_call = steps + 1
-    if result.call_windows_ms:
-        result.fit_call_ms = statistics.median(result.call_windows_ms)
-        fixed = [(c - w) * (steps + 1) for c, w in zip(result.call_windows_ms, result.windows_ms)]
-        result.fixed_ms = statistics.median(fixed)
-    result.peak_rss_mib = _peak_rss_mib()
-
-
-#: name -> (numerator, denominator): the ratios ``paraml bench`` reports when both rows ran (< 1: the first is faster).
-#: ``{n}`` is the number of devices of the data-parallel rows (2 in ``paraml bench``, every GPU in gpu_check.py).
+#: name -> (numerator, denominator): the ratios reported when both rows ran (< 1: the first is faster). ``{n}`` is
+#: the number of devices of the data-parallel rows (2 in ``paraml bench``, every GPU in benchmarks/gpu_check.py).
 RATIOS: dict[str, tuple[str, str]] = {
     "single_vs_keras_fit_single": ("single@1", "keras-fit-single@1"),
     "single_xla_vs_keras_fit_single": ("single@1 xla", "keras-fit-single@1"),
@@ -414,39 +170,30 @@ RATIOS: dict[str, tuple[str, str]] = {
     "keras_fit_mirrored_vs_single": ("keras-fit-mirrored@{n}", "keras-fit-single@1"),
 }
 
-#: The issue-13 targets: (ratio, at most). The best ``single`` variant is the faster of ``single`` and ``single xla``.
-TARGETS: dict[str, float] = {"best_single_vs_keras_fit_single": 0.9, "best_mirrored_vs_keras_fit_mirrored": 0.9}
-
-
-def _paired(a: Sequence[float], b: Sequence[float]) -> float:
-    """The median of per-window ratios ``a / b`` (the two ran side by side in each window)."""
-    return statistics.median(x / y for x, y in zip(a, b))
-
-
-def compute_ratios(results: Sequence[BenchResult], devices: int = 2) -> tuple[dict[str, float], dict[str, float]]:
-    """(steady-state ratios, whole-fit-call ratios) of :data:`RATIOS` (data-parallel rows on ``devices`` devices),
-    ``xla_vs_no_xla_<row>`` for every paraml row with an XLA twin, and ``best_single_vs_keras_fit_single`` /
-    ``best_mirrored_vs_keras_fit_mirrored`` (the faster of the XLA and plain variant)."""
-    by_label = {r.label: r for r in results if r.call_windows_ms}
+def compute_ratios(results: Sequence[BenchResult], devices: int = 2, metric: str = "step_ms") -> dict[str, float]:
+    """The ratios of ``metric`` (one of :data:`paraml.benchmark.METRICS`), each the median of per-window ratios:
+    :data:`RATIOS` (data-parallel rows on ``devices`` devices), ``xla_vs_no_xla_<row>`` for every paraml row with an
+    XLA twin, and ``best_single_vs_keras_fit_single`` / ``best_mirrored_vs_keras_fit_mirrored`` (the faster of the
+    XLA and plain variant)."""
+    by_label = {r.label: r for r in results if r.windows_ms.get(metric)}
     pairs = {name: (a.format(n=devices), b.format(n=devices)) for name, (a, b) in RATIOS.items()}
     for label in by_label:
-        if label.endswith(" xla") and not label.startswith("keras") and label[: -len(" xla")] in by_label:
-            pairs[f"xla_vs_no_xla_{label[: -len(' xla')]}"] = (label, label[: -len(" xla")])
-    steady: dict[str, float] = {}
-    call: dict[str, float] = {}
-    for name, (a, b) in pairs.items():
-        if a in by_label and b in by_label:
-            steady[name] = _paired(by_label[a].windows_ms, by_label[b].windows_ms)
-            call[name] = _paired(by_label[a].call_windows_ms, by_label[b].call_windows_ms)
-    for best, (plain, xla) in {
+        plain = label.removesuffix(" xla")
+        if plain != label and not label.startswith("keras") and plain in by_label:
+            pairs[f"xla_vs_no_xla_{plain}"] = (label, plain)
+    ratios = {
+        name: paired(by_label[a].windows_ms[metric], by_label[b].windows_ms[metric])
+        for name, (a, b) in pairs.items()
+        if a in by_label and b in by_label
+    }
+    for best, candidates in {
         "best_single_vs_keras_fit_single": ("single_vs_keras_fit_single", "single_xla_vs_keras_fit_single"),
         "best_mirrored_vs_keras_fit_mirrored": ("paraml_vs_keras_fit", "mirrored_xla_vs_keras_fit_mirrored"),
     }.items():
-        for ratios in (steady, call):
-            values = [ratios[n] for n in (plain, xla) if n in ratios]
-            if values:
-                ratios[best] = min(values)
-    return steady, call
+        values = [ratios[name] for name in candidates if name in ratios]
+        if values:
+            ratios[best] = min(values)
+    return ratios
 
 
 def run_bench(
@@ -462,86 +209,37 @@ def run_bench(
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the comparison; return ``{"results": [BenchResult...], "ratios": {...}, "fit_call_ratios": {...},
-    "targets": {...}, "machine": {...}}``.
+    "machine": {...}, ...}``.
 
     A timed window is one ``fit`` call of ``steps + 1`` batches per variant. ``quick`` leaves out the rows no ratio
     needs (1-device data-parallel rows, XLA on more than 2 devices, Keras with XLA). Call it at program start: it sets
     up ``max(devices)`` simulated devices when the machine has fewer.
     """
-    import os
-    import platform
-
-    from .devices import ensure_devices
-    from .parallel import Parallel
-
-    began = time.perf_counter()
-    progress = progress or (
-        lambda message: print(f"[bench] {message} ({time.perf_counter() - began:.1f} s)", file=sys.stderr, flush=True)
-    )
+    steps = check_int("steps", steps)
+    windows = check_int("windows", windows)
+    threads_per_device = check_int("threads_per_device", threads_per_device, low=0)
+    devices = [check_int("devices", n) for n in devices]
+    progress = progress or progress_printer("bench")
     if threads_per_device:
         import tensorflow as tf
 
         tf.config.threading.set_intra_op_parallelism_threads(threads_per_device)
-    ensure_devices(max(devices))
-    if model in PRESETS:
-        model_fn, shape, kind = PRESETS[model]
-    else:
-        from .cli import load_object
+    from .devices import ensure_devices
 
-        model_fn = load_object(model)
-        probe = model_fn()
-        shape, kind = tuple(probe.inputs[0].shape[1:]), "tokens" if "int" in str(probe.inputs[0].dtype) else "float"
-    data = _data(shape, kind, (steps + 1) * GLOBAL_BATCH)
-    runners = []
-    configs = _configs(devices, micro_batches, quick)
-    baselines: list[tuple[str, Callable[[], _Runner]]] = [
-        ("Keras fit, no strategy", lambda: _keras_runner(model_fn, data, steps, None))
-    ]
-    if not quick:
-        baselines.append(("Keras fit, no strategy, XLA", lambda: _keras_runner(model_fn, data, steps, None, True)))
-    if 2 in devices:
-        baselines.append(("the hand-written loop", lambda: _handwritten_runner(model_fn, data, steps)))
-        baselines.append(("Keras fit under MirroredStrategy(2)", lambda: _keras_runner(model_fn, data, steps, 2)))
-    total = len(configs) + len(baselines)
-    for i, (strategy, n, options) in enumerate(configs, start=1):
-        progress(f"{i}/{total} build and warm up {strategy}@{n} {options or ''}")
-        runners.append(_paraml_runner(Parallel(strategy, devices=n, seed=0, **options), model_fn, data, steps))
-    for i, (what, make) in enumerate(baselines, start=len(configs) + 1):
-        progress(f"{i}/{total} build and warm up {what}")
-        runners.append(make())
-    for w in range(windows):
-        progress(f"timed window {w + 1}/{windows} of {len(runners)} variants, interleaved")
-        shift = w % len(runners)  # A B C, B C A, ...: no variant always runs first or after the same neighbour
-        for runner in runners[shift:] + runners[:shift]:
-            _record(runner)
-    results = [runner.result for runner in runners]
-    for result in results:
-        _finish(result, steps)
+    ensure_devices(max(devices))
+    model_fn, shape, kind = resolve_model(model)
+    x, y = random_data(shape, kind, (steps + 1) * GLOBAL_BATCH)
+    work = Workload(model_fn, x, y, steps + 1)
+    results, _ = measure([(spec, work) for spec in _specs(devices, micro_batches, quick)], windows, progress=progress)
     if multi_worker:
-        results.append(_multi_worker(model, steps, windows, threads_per_device, progress))
-    ratios, call_ratios = compute_ratios(results)
+        results.append(_multi_worker(model, steps + 1, windows, threads_per_device, progress))
+    ratios = compute_ratios(results, metric="step_ms")
+    call_ratios = compute_ratios(results, metric="fit_call_ms")
     by_label = {r.label: r for r in results}
     if "multi_worker@2" in by_label and "mirrored@2" in by_label:
         ratios["multi_worker_vs_mirrored_steps_per_s"] = (
             by_label["mirrored@2"].step_ms / by_label["multi_worker@2"].step_ms
         )
-    targets = {
-        name: {
-            "at_most": limit,
-            "steady": ratios.get(name),
-            "fit_call": call_ratios.get(name),
-            "met": name in call_ratios and call_ratios[name] <= limit,
-        }
-        for name, limit in TARGETS.items()
-    }
-    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
-    import tensorflow as tf
-
-    machine.update(
-        tensorflow=tf.__version__,
-        gpus=len(tf.config.list_physical_devices("GPU")),
-        threads_per_device=threads_per_device or "default",
-    )
     return {
         "model": model,
         "global_batch": GLOBAL_BATCH,
@@ -550,59 +248,69 @@ def run_bench(
         "results": results,
         "ratios": ratios,
         "fit_call_ratios": call_ratios,
-        "targets": targets,
-        "machine": machine,
+        "machine": environment(threads_per_device=threads_per_device or "default"),
     }
 
 
-def _ratio_lines(report: dict[str, Any], markdown: bool) -> list[str]:
+def format_ratios(report: dict[str, Any], *, markdown: bool = False) -> str:
+    """The ``ratios`` (steady-state) and ``fit_call_ratios`` of ``report`` as one table."""
     steady, call = report["ratios"], report.get("fit_call_ratios", {})
-    lines = []
-    if markdown:
-        lines += ["| ratio (< 1: the first is faster) | steady-state step | whole fit call |", "|---|---|---|"]
-    else:
-        lines.append(f"{'ratio (< 1: the first is faster)':<42}{'steady':>8}{'fit call':>10}")
-    for name, value in steady.items():
-        whole = f"{call[name]:.3f}" if name in call else "-"
-        lines.append(f"| `{name}` | {value:.3f} | {whole} |" if markdown else f"{name:<42}{value:>8.3f}{whole:>10}")
-    for name, target in report.get("targets", {}).items():
-        verdict = "met" if target["met"] else "MISSED"
-        measured = "-" if target["fit_call"] is None else f"{target['fit_call']:.3f}"
-        text = f"target {name} <= {target['at_most']} (whole fit call): {measured}, {verdict}"
-        lines.append(f"- {text}" if markdown else text)
-    return lines
+    rows = [
+        [f"`{name}`" if markdown else name, f"{value:.3f}", f"{call[name]:.3f}" if name in call else "-"]
+        for name, value in steady.items()
+    ]
+    return format_table(
+        rows, ["ratio (< 1: the first is faster)", "steady-state step", "whole fit call"], markdown=markdown
+    )
+
+
+def _result_rows(results: Sequence[BenchResult]) -> list[list[str]]:
+    rows = []
+    for r in results:
+        largest = max(r.variable_bytes_per_device.values(), default=0)
+        rows.append(
+            [
+                r.label,
+                f"{r.samples_per_s:.0f}",
+                f"{r.step_ms:.2f}",
+                f"{r.fit_call_ms:.2f}",
+                f"{r.fixed_ms:.1f}",
+                f"{r.first_step_s:.2f}",
+                format_bytes(largest) if largest else "-",
+                f"{r.peak_rss_mib:.0f}",
+            ]
+        )
+    return rows
+
+
+_RESULT_HEADER = [
+    "variant",
+    "samples/s",
+    "step ms",
+    "fit-call ms/step",
+    "fixed ms/call",
+    "first step s",
+    "largest variable bytes on one device",
+    "peak RSS MiB",
+]
 
 
 def format_report(report: dict[str, Any]) -> str:
     """The benchmark as a terminal table followed by the ratios."""
-    from .sizes import format_bytes
-
     lines = [f"model {report['model']}, global batch {report['global_batch']}, machine {report['machine']}", ""]
-    lines.append(
-        f"{'variant':<26}{'samples/s':>10}{'step ms':>9}{'fit-call ms':>12}{'fixed ms':>10}{'first step s':>13}"
-        f"{'max var bytes/device':>22}{'peak RSS MiB':>13}"
-    )
-    for r in report["results"]:
-        largest = max(r.variable_bytes_per_device.values(), default=0)
-        lines.append(
-            f"{r.label:<26}{r.samples_per_s:>10.0f}{r.step_ms:>9.2f}{r.fit_call_ms:>12.2f}{r.fixed_ms:>10.1f}"
-            f"{r.first_step_s:>13.2f}{format_bytes(largest) if largest else '-':>22}{r.peak_rss_mib:>13.0f}"
-        )
-    lines.append("")
-    lines += _ratio_lines(report, markdown=False)
-    lines.append("")
-    lines.append(
-        f"step ms: steady state; fit-call ms: a whole fit call of {report.get('steps_per_fit_call', '?')} steps per "
-        "step; fixed ms: what one fit call costs beyond its steps. Ratios: medians of per-window ratios."
-    )
-    lines.append("Simulated CPU devices share one thread pool: pipeline and data-parallel gains here are not a GPU's.")
+    lines += [format_table(_result_rows(report["results"]), _RESULT_HEADER), ""]
+    lines.append(format_ratios(report))
+    lines += [
+        "",
+        f"step ms: steady state; fit-call ms: a whole fit call of {report['steps_per_fit_call']} steps per step; "
+        "fixed ms: what one fit call costs beyond its steps. Ratios: medians of per-window ratios.",
+        "Simulated CPU devices share one thread pool: pipeline and data-parallel gains here are not a GPU's.",
+    ]
     return "\n".join(lines)
 
 
 def format_markdown(report: dict[str, Any], command: str) -> str:
     """The benchmark as a Markdown results page (``docs/results.md`` is one)."""
-    from .sizes import format_bytes
-
     machine = report["machine"]
     lines = [
         "# Results of a `paraml bench` run",
@@ -610,24 +318,16 @@ def format_markdown(report: dict[str, Any], command: str) -> str:
         f"Generated by `{command}`. Machine: {machine['cpus']} CPU cores, {machine['gpus']} GPUs, "
         f"{machine['platform']}, Python {machine['python']}, TensorFlow {machine['tensorflow']}, intra-op threads "
         f"per device: {machine['threads_per_device']}. Model `{report['model']}`, global batch "
-        f"{report['global_batch']}, numpy input, {report.get('windows', '?')} interleaved windows of one fit call of "
-        f"{report.get('steps_per_fit_call', '?')} steps per variant. Devices are logical CPUs sharing the same 2 "
-        "cores, so more devices cannot be faster here: these numbers show paraml's overheads and memory layout, not a "
-        "GPU cluster's speed-ups.",
+        f"{report['global_batch']}, numpy input, {report['windows']} interleaved windows of one fit call of "
+        f"{report['steps_per_fit_call']} steps per variant. Devices are logical CPUs sharing the same "
+        f"{machine['cpus']} cores, so more devices cannot be faster here: these numbers show paraml's overheads and "
+        "memory layout, not a GPU cluster's speed-ups.",
         "",
-        "| variant | samples/s | step ms | fit-call ms/step | fixed ms/call | first step s | largest variable bytes on "
-        "one device | peak RSS MiB |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in report["results"]:
-        largest = max(r.variable_bytes_per_device.values(), default=0)
-        lines.append(
-            f"| {r.label} | {r.samples_per_s:.0f} | {r.step_ms:.2f} | {r.fit_call_ms:.2f} | {r.fixed_ms:.0f} | "
-            f"{r.first_step_s:.2f} | {format_bytes(largest) if largest else '-'} | {r.peak_rss_mib:.0f} |"
-        )
-    lines += ["", "Ratios measured in the same run (windows interleaved, medians of per-window ratios):", ""]
-    lines += _ratio_lines(report, markdown=True)
-    lines += [
+        format_table(_result_rows(report["results"]), _RESULT_HEADER, markdown=True),
+        "",
+        "Ratios measured in the same run (windows interleaved, medians of per-window ratios):",
+        "",
+        format_ratios(report, markdown=True),
         "",
         "Step times are steady-state: from the end of a fit call's first step to its last. The fit-call time is a "
         "whole `fit` call divided by its steps; the difference, times the steps, is the fixed cost of one call "
@@ -668,12 +368,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="1 and 2 devices, micro-batches 4, fewer windows, only the rows a ratio needs",
+        help="1 and 2 devices, micro-batches 4, 2 windows, only the rows a ratio needs",
     )
     parser.add_argument("--devices", default="1,2,4", help="device counts, e.g. 1,2,4")
-    parser.add_argument("--steps", type=int, default=31, help="steps per timed window (a fit call: steps + 1)")
-    parser.add_argument("--windows", type=int, default=5, help="timed windows per variant (the median is reported)")
-    parser.add_argument("--threads-per-device", type=int, default=0, help="intra-op threads (1: one core per device)")
+    parser.add_argument(
+        "--steps", type=int_at_least(1), default=31, help="steps per timed window (a fit call: steps + 1)"
+    )
+    parser.add_argument(
+        "--windows", type=int_at_least(1), default=5, help="timed windows per variant (the median is reported)"
+    )
+    parser.add_argument(
+        "--threads-per-device", type=int_at_least(0), default=0, help="intra-op threads (1: one core per device)"
+    )
     parser.add_argument("--no-multi-worker", action="store_true", help="skip the 2-worker launcher run")
     parser.add_argument("--json", default=None, help="write the results as JSON here")
     parser.add_argument("--markdown", default=None, help="write a Markdown results page here")
@@ -684,7 +390,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_from_args(ns: argparse.Namespace) -> int:
     """``paraml bench`` with parsed arguments."""
-    devices = (1, 2) if ns.quick else tuple(int(d) for d in ns.devices.split(","))
+    try:
+        devices = (1, 2) if ns.quick else tuple(int(d) for d in ns.devices.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--devices must be device counts separated by commas, e.g. 1,2,4, got {ns.devices!r}"
+        ) from None
     report = run_bench(
         ns.model,
         devices=devices,
@@ -697,10 +408,7 @@ def run_from_args(ns: argparse.Namespace) -> int:
     )
     print(format_report(report))
     if ns.json:
-        with open(ns.json, "w") as file:
-            json.dump(
-                {**report, "results": [asdict(r) | {"label": r.label} for r in report["results"]]}, file, indent=1
-            )
+        write_json(report, ns.json, echo=False)
     if ns.markdown:
         with open(ns.markdown, "w") as file:
             file.write(format_markdown(report, "paraml bench " + " ".join(sys.argv[2:])))

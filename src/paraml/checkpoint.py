@@ -209,9 +209,10 @@ def restore_checkpoint(
         )
     progress = tf.Variable(np.zeros(3, np.int64), trainable=False)
     checkpoint = tf.train.Checkpoint(**_trackables(model, optimizer), progress=progress)
-    # optimizer_class was checked above; it is not a variable of this model, so it is not restored
+    # optimizer_class was checked above; it is not a variable of this model, so it is not restored (expect_partial:
+    # TensorFlow would otherwise warn about it, twice, when the status is deleted)
     try:
-        checkpoint.read(prefix).assert_existing_objects_matched()
+        checkpoint.read(prefix).assert_existing_objects_matched().expect_partial()
     except (tf.errors.OpError, AssertionError, IndexError, ValueError) as error:
         raise ValueError(f"checkpoint {str(folder)!r} is corrupt or truncated: {error}") from None
     epoch, step, seed = (int(v) for v in progress.numpy())
@@ -224,7 +225,10 @@ def check_writable(directory: str | os.PathLike[str]) -> None:
     existing = path
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
-    if existing.exists() and (not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK)):
+    if existing.exists() and not existing.is_dir():
+        where = "is a file" if existing == path else f"is inside {str(existing)!r}, which is a file"
+        raise NotADirectoryError(f"checkpoint_dir {str(path)!r} {where}: give a directory (it is created if missing)")
+    if existing.exists() and not os.access(existing, os.W_OK | os.X_OK):
         raise PermissionError(f"checkpoint_dir {str(path)!r} is not writable (checked {str(existing)!r})")
 
 
@@ -254,11 +258,11 @@ class Checkpointing:
         self.guard = PreemptionGuard()
         self._last_step = 0
 
-    def resume(self, initial_epoch: int) -> CheckpointState | None:
+    def resume(self, initial_epoch: int, epochs: int) -> CheckpointState | None:
         """Restore the newest checkpoint, if any, into the model and optimizer; every worker must find the same.
 
         Returns where training stands when that is past ``initial_epoch`` (its seed decides the data order), else
-        None.
+        None; says on stdout where it resumed (or that the ``epochs`` are already done).
         """
         found = latest_checkpoint(self.directory)
         state = restore_checkpoint(found, self.model, self.optimizer) if found is not None else None
@@ -272,6 +276,10 @@ class Checkpointing:
             )
         if state is None or not (state.epoch > initial_epoch or (state.epoch == initial_epoch and state.step)):
             return None
+        if state.epoch >= epochs:
+            print(f"paraml: already finished: {state.epoch} epochs done (checkpoint {found})", flush=True)
+        else:
+            print(f"paraml: resumed from {found} at epoch {state.epoch}, step {state.step}", flush=True)
         self.seed = state.seed
         if self.every:
             self._last_step = state.step - state.step % self.every
@@ -292,6 +300,14 @@ class Checkpointing:
             self.save(epoch, steps_done)
             self._last_step = steps_done
 
+    def _chiefs_latest(self) -> Path | None:
+        """The newest checkpoint as the chief sees it, the same on every worker (the others may read the folder
+        before the chief's last save is visible to them)."""
+        found = latest_checkpoint(self.directory) if self.backend.topology.is_chief else None
+        number = int(found.name.split("-")[1]) if found is not None else -1
+        chief = int(self.backend.across_workers(tf.constant(number, tf.int64)).numpy()[0])  # worker 0's row
+        return None if chief < 0 else Path(self.directory) / f"{_PREFIX}-{chief:06d}"
+
     @contextmanager
     def stop_on_signal(self) -> Iterator[Any]:
         """Inside the block, SIGTERM/SIGINT ask training to stop at the next step; yields the loop's poll."""
@@ -302,6 +318,6 @@ class Checkpointing:
         """The exception that ends a preempted run (after the save), announced on stderr as a worker's last word."""
         if not self.guard.requested:  # another worker was signalled: this one stops with it
             self.guard.request()
-        error = self.guard.exception(checkpoint=latest_checkpoint(self.directory), epoch=epochs_done)
+        error = self.guard.exception(checkpoint=self._chiefs_latest(), epoch=epochs_done)
         print(f"paraml: {error}", file=sys.stderr, flush=True)
         return error

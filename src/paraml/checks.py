@@ -14,11 +14,12 @@ True
 
 from __future__ import annotations
 
+import difflib
 import numbers
 from collections.abc import Collection, Iterable
 from typing import Any, TypeVar
 
-__all__ = ["check_choice", "check_int", "check_named", "check_verbose"]
+__all__ = ["check_choice", "check_int", "check_named", "check_verbose", "did_you_mean"]
 
 T = TypeVar("T")
 
@@ -69,6 +70,18 @@ def check_named(items: Iterable[Any], kind: type[T], what: str) -> list[T]:
     return found
 
 
+def did_you_mean(value: Any, choices: Iterable[str]) -> str:
+    """``" (did you mean 'x'?)"`` for the choice closest to a misspelt ``value``, or ``""``.
+
+    >>> did_you_mean("mirored", ["single", "mirrored"]), did_you_mean("xyz", ["single"])
+    (" (did you mean 'mirrored'?)", '')
+    """
+    if not isinstance(value, str):
+        return ""
+    close = difflib.get_close_matches(value, [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def check_choice(name: str, value: T, choices: Collection[Any]) -> T:
     """``value`` when it is one of ``choices``; otherwise a ``ValueError`` listing them.
 
@@ -80,7 +93,8 @@ def check_choice(name: str, value: T, choices: Collection[Any]) -> T:
     except TypeError:  # an unhashable value is not among hashable choices
         known = False
     if not known:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        hint = did_you_mean(value, choices)
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}{hint}")
     return value
 
 

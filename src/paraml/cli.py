@@ -5,8 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from contextlib import nullcontext
 
-__all__ = ["main"]
+from .checks import did_you_mean
+from .loading import load_object
+from .logs import filtered_stderr
+
+__all__ = ["COMMANDS", "main"]
+
+#: The subcommands of ``paraml``, in the order ``--help`` lists them.
+COMMANDS = ("demo", "env", "devices", "estimate", "bench", "launch")
 
 
 def _demo(ns: argparse.Namespace) -> int:
@@ -18,44 +26,52 @@ def _demo(ns: argparse.Namespace) -> int:
 
 
 def _devices(ns: argparse.Namespace) -> int:
-    from .devices import describe_devices, simulate_devices
-    from .sizes import format_bytes
+    from .devices import simulate_devices
 
     if ns.simulate:
         simulate_devices(ns.simulate)
-    print(f"{'device':<20}{'type':<6}{'memory':>12}")
-    for info in describe_devices():
-        memory = format_bytes(info.memory_bytes) if info.memory_bytes else "unknown"
-        print(f"{info.name:<20}{info.device_type:<6}{memory:>12}")
+    print(_device_table())
     return 0
 
 
-def load_object(spec: str) -> object:
-    """``"package.module:function"`` or ``"path/to/file.py:function"`` -> that object (``estimate``, ``bench``)."""
-    import importlib
-    import importlib.util
-    from pathlib import Path
+def _device_table() -> str:
+    """The local devices with their memory, then, without a GPU, why TensorFlow sees none."""
+    from .devices import describe_devices, no_gpu_reason
+    from .sizes import format_bytes
 
-    module_name, sep, attribute = spec.rpartition(":")
-    if not sep or not module_name or not attribute:
-        raise ValueError(
-            f"expected MODULE:FUNCTION (e.g. mypkg.models:make_model or models.py:make_model), got {spec!r}"
-        )
-    if module_name.endswith(".py"):
-        path = Path(module_name)
-        if not path.is_file():
-            raise FileNotFoundError(f"no file {module_name!r} (from {spec!r})")
-        loader = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(loader)
-        loader.loader.exec_module(module)
-    else:
+    infos = describe_devices()
+    lines = [f"{'device':<20}{'type':<6}{'memory':>12}"]
+    for info in infos:
+        memory = format_bytes(info.memory_bytes) if info.memory_bytes else "unknown"
+        lines.append(f"{info.name:<20}{info.device_type:<6}{memory:>12}")
+    if not any(info.device_type == "GPU" for info in infos):
+        lines.append(no_gpu_reason())
+    return "\n".join(lines)
+
+
+#: Environment variables that say how a process was started (cluster, devices, logging): ``paraml env`` shows them.
+_ENV_PREFIXES = ("TF_", "PARAML_", "CUDA_", "SLURM_", "OMPI_COMM_WORLD_", "PMI_", "PET_", "SM_", "KERAS_")
+_ENV_NAMES = ("CLUSTER_SPEC", "JOB_COMPLETION_INDEX", "XLA_FLAGS")
+
+
+def _env(ns: argparse.Namespace) -> int:
+    import importlib.metadata
+    import os
+    import platform
+
+    from . import __version__
+
+    print(f"paraml {__version__}")
+    print(f"python {platform.python_version()} ({sys.executable}) on {platform.platform()}, {os.cpu_count()} cores")
+    for package in ("tensorflow", "keras", "numpy", "keras-hub", "tensorboard"):
         try:
-            module = importlib.import_module(module_name)
-        except ImportError as error:
-            raise ValueError(f"cannot import {module_name!r} (from {spec!r}): {error}") from None
-    if not hasattr(module, attribute):
-        raise ValueError(f"{module_name!r} has no {attribute!r} (from {spec!r})")
-    return getattr(module, attribute)
+            print(f"{package} {importlib.metadata.version(package)}")
+        except importlib.metadata.PackageNotFoundError:
+            print(f"{package} not installed")
+    shown = sorted(k for k in os.environ if k.startswith(_ENV_PREFIXES) or k in _ENV_NAMES)
+    print("environment: " + (", ".join(f"{k}={os.environ[k]}" for k in shown) if shown else "no cluster variables"))
+    print(_device_table())
+    return 0
 
 
 def _estimate(ns: argparse.Namespace) -> int:
@@ -76,7 +92,10 @@ def _launch(ns: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``paraml`` command."""
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="paraml", description="Multi-device training on TensorFlow/Keras 3.")
+    parser.add_argument("--version", action="version", version=f"paraml {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser("demo", help="train on the shipped digits data under every backend")
@@ -85,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--batch-size", type=int, default=64)
     demo.add_argument("--min-accuracy", type=float, default=0.9, help="exit 1 if any backend ends below this")
     demo.set_defaults(run=_demo)
+
+    env = commands.add_parser("env", help="versions, devices and cluster variables (for a bug report)")
+    env.set_defaults(run=_env)
 
     devices = commands.add_parser("devices", help="list local devices and their memory")
     devices.add_argument("--simulate", type=int, default=0, help="split the machine into N logical devices first")
@@ -107,15 +129,24 @@ def build_parser() -> argparse.ArgumentParser:
     launcher = commands.add_parser("launch", help="run a script on N local workers (multi_worker)")
     launch.add_arguments(launcher)
     launcher.set_defaults(run=_launch)
+    assert tuple(commands.choices) == COMMANDS
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``paraml`` and ``python -m paraml``; returns the exit code."""
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and not args[0].startswith("-") and args[0] not in COMMANDS:
+        hint = did_you_mean(args[0], COMMANDS)
+        print(f"paraml: unknown command {args[0]!r}{hint}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    ns = parser.parse_args(args)
+    # The launcher filters its workers' lines itself; every other command runs with TensorFlow's logging left out.
+    quiet = nullcontext() if ns.command == "launch" else filtered_stderr()
     try:
-        return int(ns.run(ns))
+        with quiet:
+            return int(ns.run(ns))
     except (ValueError, RuntimeError, FileNotFoundError) as error:
         print(f"paraml {ns.command}: error: {error}", file=sys.stderr)
         return 2

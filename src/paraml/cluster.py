@@ -24,11 +24,15 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "CONNECT_TIMEOUT",
+    "CONNECT_TIMEOUT_ENV",
     "ClusterConfigError",
     "ClusterSpecInfo",
     "global_worker_index",
     "make_tf_config",
     "parse_tf_config",
+    "connect_timeout",
+    "wait_for_workers",
 ]
 
 _ENV_VAR = "TF_CONFIG"
@@ -292,3 +296,71 @@ def make_tf_config(addresses: Sequence[str], index: int) -> str:
     text = json.dumps(config)
     parse_tf_config(text)  # validate: what we hand to workers must parse cleanly
     return text
+
+
+#: Seconds a worker waits for the others to start (``PARAML_CONNECT_TIMEOUT`` overrides; 0 or "none": forever).
+CONNECT_TIMEOUT = 300.0
+CONNECT_TIMEOUT_ENV = "PARAML_CONNECT_TIMEOUT"
+
+
+def connect_timeout() -> float | None:
+    """``PARAML_CONNECT_TIMEOUT`` in seconds (default :data:`CONNECT_TIMEOUT`; ``0`` or ``none``: no limit)."""
+    text = os.environ.get(CONNECT_TIMEOUT_ENV, "").strip().lower()
+    if not text:
+        return CONNECT_TIMEOUT
+    if text in ("0", "none"):
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise _error(f"{CONNECT_TIMEOUT_ENV} must be a number of seconds > 0, or 0/none for no limit, got {text!r}")
+    return seconds
+
+
+def wait_for_workers(info: ClusterSpecInfo, timeout: float | None, poll: float = 0.2) -> None:
+    """Return once every other worker of ``info`` accepts connections; raise after ``timeout`` seconds naming those
+    that never did.
+
+    TensorFlow's own start waits for every task inside C++, holding the GIL, where neither a timeout nor SIGTERM can
+    end it: a missing worker (a late machine, a wrong address) hangs the others for good. This wait runs first, in
+    Python, so SIGTERM ends it and the timeout holds. Meanwhile this worker listens on its own port (and stops before
+    TensorFlow takes it), so that the others, waiting the same way, see it too.
+    """
+    import socket
+    import time
+
+    def split(address: str) -> tuple[str, int]:
+        host, _, port = address.rpartition(":")
+        return host.strip("[]"), int(port)
+
+    own = info.worker_index
+    listener = None
+    try:
+        listener = socket.create_server(("", split(info.workers[own])[1]))
+    except OSError:
+        listener = None  # the port is taken (e.g. TensorFlow's server already runs here): the others will see it
+    missing = [i for i in range(len(info.workers)) if i != own]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while missing:
+            for i in list(missing):
+                try:
+                    with socket.create_connection(split(info.workers[i]), timeout=1.0):
+                        missing.remove(i)
+                except OSError:
+                    pass
+            if not missing:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                names = ", ".join(f"worker {i} ({info.workers[i]})" for i in missing)
+                raise ClusterConfigError(
+                    f"worker {own} waited {timeout:g} s for the cluster in TF_CONFIG, and {names} never started: start "
+                    f"every worker (paraml launch starts them together), check the addresses, or raise "
+                    f"{CONNECT_TIMEOUT_ENV} (seconds)"
+                )
+            time.sleep(poll)
+    finally:
+        if listener is not None:
+            listener.close()

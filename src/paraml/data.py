@@ -445,8 +445,7 @@ def _conform(batch: Any, signature: Any, what: str) -> Any:
 def _from_batches(
     kind: str,
     make_pass: Callable[[int], tf.data.Dataset],
-    arity: int,
-    y_spec: Any,
+    spec: Any,
     num_batches: int | None,
     infinite: bool,
     steps: int | None,
@@ -456,8 +455,10 @@ def _from_batches(
     shuffle: bool = False,
     seed: int = 0,
 ) -> GlobalBatches:
+    """Global batches from ``make_pass(index)``, a dataset of one pass whose elements have the structure ``spec``."""
     what = _NAMES[kind]
-    _check_element_arity(arity, f"the {what[2:]}", need_targets, class_weight, y_spec)
+    arity = _arity(spec)
+    _check_element_arity(arity, f"the {what[2:]}", need_targets, class_weight, spec[1] if arity > 1 else None)
     if infinite and steps is None:
         raise ValueError(
             f"x is an infinite {what[2:]}: an epoch would never end; pass steps (steps_per_epoch, validation_steps, "
@@ -492,8 +493,7 @@ def _from_dataset(
     return _from_batches(
         "dataset",
         lambda _: ds,
-        _arity(spec),
-        spec[1] if _arity(spec) > 1 else None,
+        spec,
         cardinality if cardinality >= 0 else None,
         cardinality == tf.data.INFINITE_CARDINALITY,
         steps,
@@ -529,17 +529,7 @@ def _from_generator(generator: Iterator[Any], steps: int | None, need_targets: b
     def make_pass(_: int) -> tf.data.Dataset:
         return tf.data.Dataset.from_generator(batches, output_signature=signature)
 
-    return _from_batches(
-        "generator",
-        make_pass,
-        len(signature),
-        signature[1] if len(signature) > 1 else None,
-        None,
-        False,
-        steps,
-        None,
-        need_targets,
-    )
+    return _from_batches("generator", make_pass, signature, None, False, steps, None, need_targets)
 
 
 def _from_py_dataset(
@@ -585,8 +575,7 @@ def _from_py_dataset(
     return _from_batches(
         "py_dataset",
         make_pass,
-        len(signature),
-        signature[1] if len(signature) > 1 else None,
+        signature,
         num_batches,
         num_batches is None,
         steps,
@@ -702,15 +691,17 @@ def split_validation(
     return cut(0, split_at), cut(split_at, n)
 
 
-def zeros_like_spec(spec: Any) -> Any:
-    """A batch of one sample shaped like ``spec`` (a structure of ``tf.TensorSpec``), unknown dimensions as 1.
+def zeros_like_spec(spec: Any, rows: int = 1) -> Any:
+    """A batch of ``rows`` samples shaped like ``spec`` (a structure of ``tf.TensorSpec``), other unknown
+    dimensions as 1.
 
-    It builds a lazily built model, Keras' compiled metrics and the output dtypes before the first real step.
+    It builds a lazily built model, Keras' compiled metrics and the output dtypes before the first real step; with
+    the user's batch size as ``rows``, a shape error Keras raises there shows the user's batch.
     """
 
     def zeros(s: tf.TensorSpec) -> tf.Tensor:
         shape = [1 if d is None else d for d in s.shape.as_list()] if s.shape.rank is not None else [1]
-        shape[:1] = [1]
+        shape[:1] = [rows]
         return tf.fill(shape, "") if s.dtype == tf.string else tf.zeros(shape, s.dtype)
 
     return tf.nest.map_structure(zeros, spec)

@@ -49,16 +49,32 @@ def run_demo(
 ) -> list[DemoResult]:
     """Train :func:`digits_model` under each backend and print a table of accuracy, time and throughput.
 
-    Simulates ``num_devices`` devices first when the machine has fewer, so call it at program start.
+    Uses the machine's GPUs (up to ``num_devices``), or without a GPU splits the CPU into ``num_devices`` logical
+    devices first, so call it at program start.
     """
+    import os
     import sys
 
+    import tensorflow as tf
+
     from .datasets import load_digits
-    from .devices import ensure_devices
+    from .devices import simulate_devices
     from .parallel import Parallel
 
     out = out or sys.stdout
-    ensure_devices(num_devices)
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    if gpus:
+        num_devices = min(num_devices, gpus)
+        print(f"paraml demo on {num_devices} GPU(s): the digits classifier under every backend", file=out)
+    else:
+        simulate_devices(num_devices)
+        print(
+            f"paraml demo on {num_devices} simulated devices (this machine's CPU split into logical devices; "
+            f"{os.cpu_count()} cores shared by all of them): every backend should reach the same accuracy. "
+            "The times show this machine, not GPUs: simulated devices compete for the same cores, so the "
+            "backends' speeds here say little about speed-ups on real devices.",
+            file=out,
+        )
     (x_train, y_train), (x_test, y_test) = load_digits()
     results = []
     for strategy, devices in default_backends(num_devices):

@@ -7,6 +7,7 @@ only reads it initialises TensorFlow's devices as a side effect.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ __all__ = [
     "ensure_devices",
     "device_memory",
     "list_devices",
+    "no_gpu_reason",
     "resolve_devices",
     "simulate_devices",
 ]
@@ -102,14 +104,49 @@ def simulate_devices(n: int, memory_limit_mb: int | None = None) -> tuple[str, .
 
 
 def ensure_devices(n: int) -> tuple[str, ...]:
-    """At least ``n`` devices of the default type: the real ones if the machine has enough, else simulated ones.
+    """At least ``n`` devices: the machine's GPUs when it has ``n``; without a GPU, the CPU split into ``n`` logical
+    devices (for trying multi-device code anywhere).
 
-    Like :func:`simulate_devices`, call it at program start. Returns the canonical names of the devices.
+    With fewer GPUs than ``n`` it raises ``ValueError``: splitting a GPU into smaller virtual ones is a choice of
+    memory only the caller can make (:func:`simulate_devices` with ``memory_limit_mb``). Like
+    :func:`simulate_devices`, call it at program start. Returns the canonical names of the devices.
     """
-    kind = _accelerator_type()
-    if len(tf.config.list_physical_devices(kind)) >= n:  # listing *physical* devices initialises nothing
-        return list_devices(kind)
+    check_int("ensure_devices' n", n)
+    gpus = tf.config.list_physical_devices("GPU")  # listing *physical* devices initialises nothing
+    if len(gpus) >= n:
+        return list_devices("GPU")
+    if gpus:
+        raise ValueError(
+            f"ensure_devices({n}): this machine has {len(gpus)} GPU(s). Train on them (devices={len(gpus)}), or split "
+            f"each GPU on purpose with paraml.simulate_devices({n}, memory_limit_mb=...) at program start, choosing "
+            "how much memory each virtual GPU gets"
+        )
     return simulate_devices(n)
+
+
+def no_gpu_reason() -> str:
+    """Why TensorFlow most likely sees no GPU on this machine, in words (checked without initialising devices)."""
+    import shutil
+    import sys
+
+    reasons = []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        reasons.append(f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU")
+    if sys.platform == "darwin":
+        reasons.append("TensorFlow has no CUDA support on macOS")
+    elif sys.platform == "win32":
+        reasons.append("TensorFlow has no GPU support on native Windows (use WSL2)")
+    elif shutil.which("nvidia-smi") is None:
+        reasons.append("no NVIDIA driver was found (nvidia-smi is missing)")
+    if not tf.test.is_built_with_cuda():
+        reasons.append("this TensorFlow was built without CUDA (on Linux: pip install 'tensorflow[and-cuda]')")
+    if not reasons:
+        reasons.append(
+            "TensorFlow could not load CUDA's libraries: pip install 'tensorflow[and-cuda]', and run with "
+            "PARAML_LOG=1 to see TensorFlow's own message"
+        )
+    return "TensorFlow sees no GPU, so training runs on the CPU: " + "; ".join(reasons) + "."
 
 
 def resolve_devices(devices: None | int | str | Sequence[str]) -> tuple[str, ...]:
@@ -158,8 +195,9 @@ def resolve_devices(devices: None | int | str | Sequence[str]) -> tuple[str, ...
 def device_memory(device: str) -> int | None:
     """Memory of ``device`` in bytes where TensorFlow can tell, else ``None``.
 
-    Known for virtual GPUs with a memory limit (as made by :func:`simulate_devices`); CPUs have no allocator
-    statistics in TensorFlow, so a CPU gives ``None`` (pass ``device_memory=`` to ``Parallel("auto")`` instead).
+    Known for virtual GPUs with a memory limit (as made by :func:`simulate_devices`) and for physical GPUs. A CPU
+    gives ``None``: TensorFlow's CPU allocator reports the whole process, not a device's capacity (pass
+    ``device_memory=`` to ``Parallel("auto")`` instead).
     """
     name = canonical_device(device)
     kind, index = name.split(":")[1], int(name.split(":")[2])

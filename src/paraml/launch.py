@@ -39,6 +39,7 @@ from typing import IO, TextIO
 
 from paraml.checks import check_int
 from paraml.cluster import make_tf_config
+from paraml.logs import is_tensorflow_noise, show_all_logs
 
 __all__ = [
     "PortUnavailableError",
@@ -190,11 +191,52 @@ class _Output:
                 pass  # stream closed (e.g. broken pipe): drop the output
 
 
-def _pump(pipe: IO[bytes], prefix: str, output: _Output) -> None:
-    with pipe:
-        for raw in iter(pipe.readline, b""):
-            text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-            output.line(prefix + text)
+#: Lines a worker may still print once another worker failed first; the rest (its secondary errors) are counted.
+_SECONDARY_LINES = 5
+
+
+class _WorkerLines:
+    """What the workers of one run print, for people: TensorFlow's own logging left out (unless ``PARAML_LOG=1``),
+    each worker's last error line kept, and once a worker failed, the others' secondary errors cut short."""
+
+    def __init__(self, output: _Output) -> None:
+        self.output = output
+        self.show_all = show_all_logs()
+        self.failed: int | None = None  # the worker that failed first
+        self.last_error: dict[int, str] = {}
+        self.after_failure: dict[int, int] = {}  # lines each other worker printed after the failure
+        self._lock = threading.Lock()
+
+    def pump(self, pipe: IO[bytes], index: int, is_stderr: bool) -> None:
+        with pipe:
+            for raw in iter(pipe.readline, b""):
+                text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                if not self.show_all and is_tensorflow_noise(text):
+                    continue
+                with self._lock:
+                    if is_stderr and text.strip():
+                        self.last_error[index] = text.strip()
+                    if self.failed is not None and index != self.failed and not self.show_all:
+                        self.after_failure[index] = self.after_failure.get(index, 0) + 1
+                        if self.after_failure[index] > _SECONDARY_LINES:
+                            continue
+                self.output.line(f"[worker {index}] {text}")
+
+    def fail(self, index: int) -> None:
+        with self._lock:
+            if self.failed is None:
+                self.failed = index
+
+    def summary(self, code: int) -> str:
+        """One line: which worker failed first, how, its last error line, and what was left out."""
+        index = self.failed
+        text = f"paraml launch: worker {index} failed first: it {_describe_exit(code)}"
+        if index in self.last_error:
+            text += f"; its last error line: {self.last_error[index]}"
+        left_out = sum(max(0, n - _SECONDARY_LINES) for n in self.after_failure.values())
+        if left_out:
+            text += f" ({left_out} lines the other workers printed after it were left out; PARAML_LOG=1 shows them)"
+        return text
 
 
 def _stop(procs: Sequence[subprocess.Popen[bytes]], sig: int, timeout: float, output: _Output) -> None:
@@ -243,7 +285,7 @@ def _start_workers(
     base_env: Mapping[str, str],
     ports: Sequence[int],
     restart: int,
-    output: _Output,
+    lines: _WorkerLines,
     procs: list[subprocess.Popen[bytes]],
     readers: list[threading.Thread],
 ) -> None:
@@ -269,11 +311,11 @@ def _start_workers(
             start_new_session=True,
         )
         procs.append(proc)
-        for pipe in (proc.stdout, proc.stderr):
+        for pipe, is_stderr in ((proc.stdout, False), (proc.stderr, True)):
             assert pipe is not None
             reader = threading.Thread(
-                target=_pump,
-                args=(pipe, f"[worker {index}] ", output),
+                target=lines.pump,
+                args=(pipe, index, is_stderr),
                 name=f"paraml-launch-worker{index}",
                 daemon=True,
             )
@@ -281,12 +323,15 @@ def _start_workers(
             readers.append(reader)
 
 
-def _supervise(procs: Sequence[subprocess.Popen[bytes]], stop_timeout: float, output: _Output) -> tuple[int, int]:
+def _supervise(
+    procs: Sequence[subprocess.Popen[bytes]], stop_timeout: float, output: _Output, lines: _WorkerLines
+) -> tuple[int, int]:
     """Wait until every worker succeeded (-> ``(-1, 0)``) or one failed (-> ``(index, code)``, the others stopped)."""
     while True:
         codes = [_exit_code(p) for p in procs]
         for index, code in enumerate(codes):
             if code is not None and code != 0:
+                lines.fail(index)
                 others = "; stopping the others" if len(procs) > 1 else ""
                 output.line(f"{_PREFIX} worker {index} {_describe_exit(code)}{others}")
                 _stop(procs, signal.SIGTERM, stop_timeout, output)
@@ -326,7 +371,9 @@ def launch(
     launcher's environment (or ``env``) plus ``TF_CONFIG`` (a worker-only cluster on
     127.0.0.1), ``PARAML_WORKER_INDEX``, ``PARAML_NUM_WORKERS``, ``PARAML_RESTART``
     (0 on the first run, k on the k-th restart) and ``PYTHONUNBUFFERED=1``. Every
-    stdout/stderr line is written to ``out`` as ``[worker i] line``.
+    stdout/stderr line is written to ``out`` as ``[worker i] line``, except TensorFlow's own logging
+    (``PARAML_LOG=1`` keeps it) and, once a worker failed, all but the first few lines of each other worker (their
+    secondary errors); a closing line on ``err`` names the worker that failed first and its last error line.
 
     When a worker fails (non-zero exit or killed by a signal), the others are sent
     SIGTERM, given ``stop_timeout`` seconds, then SIGKILLed: they may be stuck
@@ -392,11 +439,13 @@ def launch(
             installed_sigterm = True
         restart = 0
         while True:
-            _start_workers(command, base_env, ports, restart, output, procs, readers)
-            index, code = _supervise(procs, stop_timeout, output)
+            lines = _WorkerLines(output)
+            _start_workers(command, base_env, ports, restart, lines, procs, readers)
+            index, code = _supervise(procs, stop_timeout, output, lines)
             _reap(procs, readers)  # every process of this run is gone before the next starts
             if code == 0:
                 return 0
+            errors.line(lines.summary(code))
             if restart >= max_restarts:
                 if max_restarts:
                     errors.line(

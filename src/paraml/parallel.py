@@ -8,6 +8,7 @@ preemption (:mod:`paraml.checkpoint`), and the loop (:mod:`paraml.training`).
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -19,9 +20,10 @@ from . import backends
 from .auto import AUTO_OPTIONS, AutoChoice
 from .backends.base import Backend
 from .checkpoint import Checkpointing, CheckpointState, restore_checkpoint, save_checkpoint
-from .checks import check_int, check_verbose
+from .checks import check_int, check_verbose, did_you_mean
 from .compiling import check_compile_names, compile_model
 from .data import GlobalBatches, global_batches, split_validation, zeros_like_spec
+from .devices import no_gpu_reason
 from .partition import PartitionPlan
 from .training import Trainer
 
@@ -79,8 +81,11 @@ class Parallel:
         option_names = AUTO_OPTIONS if strategy == "auto" else backends.get_backend(strategy).option_names
         unknown = sorted(set(options) - set(option_names))
         if unknown:
-            valid = ", ".join(COMMON_OPTIONS + option_names)
-            raise ValueError(f"unknown option {unknown[0]!r} for strategy {strategy!r}; valid options: {valid}")
+            valid = COMMON_OPTIONS + option_names
+            hint = did_you_mean(unknown[0], valid)
+            raise ValueError(
+                f"unknown option {unknown[0]!r}{hint} for strategy {strategy!r}; valid options: {', '.join(valid)}"
+            )
         self.steps_per_execution: int = check_int("steps_per_execution", steps_per_execution)
         self.seed: int | None = check_int("seed", seed, low=None, none_ok=True)
         if jit_compile not in (True, False, "auto"):
@@ -98,6 +103,28 @@ class Parallel:
             self._backend = self._auto.backend
         else:
             self._backend = backends.get_backend(strategy)(devices, **options)
+        if self._backend is not None:
+            self._warn_if_alone()
+
+    def _warn_if_alone(self) -> None:
+        """Warn when this process trains by itself though ``paraml launch`` started several workers."""
+        launched = int(os.environ.get("PARAML_NUM_WORKERS", "1") or 1)
+        if launched > 1 and self.backend.topology.num_workers == 1:
+            warnings.warn(
+                f"paraml launch started {launched} workers, but strategy {self.strategy!r} does not make them one "
+                "cluster: each worker trains its own copy of the model. Use Parallel('multi_worker') (or 'auto')",
+                stacklevel=3,
+            )
+
+    def _one_device_note(self) -> str | None:
+        """What to say when a strategy meant for several devices ended up with one."""
+        topology = self.backend.topology
+        layout = topology.layout
+        if self.strategy == "single" or topology.num_workers > 1 or layout.data * layout.devices_per_replica > 1:
+            return None
+        device = topology.devices[0]
+        note = f"strategy {self.strategy!r} has one device ({device}): it trains like 'single', with no speed-up"
+        return note + (". " + no_gpu_reason() if "CPU" in device else "")
 
     # -- what was chosen ----------------------------------------------------------------------------------------------
     @property
@@ -161,7 +188,8 @@ class Parallel:
             return "Parallel('auto') has not chosen yet: it decides at build(), when it sees the model"
         else:
             chosen = f"strategy {self.strategy!r} was chosen by the caller"
-        return chosen + "\n" + self._xla_reason
+        note = self._one_device_note()
+        return chosen + ("\n" + note if note else "") + "\n" + self._xla_reason
 
     def describe(self) -> str:
         """A readable description of the backend: its devices and, for ``model_parallel``, the stage table."""
@@ -198,6 +226,10 @@ class Parallel:
         if self._backend is None:
             assert self._auto is not None
             self._backend, host_model = self._auto.choose(model_fn, optimizer)
+            self._warn_if_alone()
+        note = self._one_device_note()
+        if note is not None and self._model is None:  # once per Parallel
+            warnings.warn(note, stacklevel=2)
         if self.seed is not None:
             keras.utils.set_random_seed(self.seed)
         model = self.backend.build_model(model_fn, optimizer, host_model)
@@ -302,7 +334,7 @@ class Parallel:
         for a multi-output one), or ``x`` is a ``tf.data.Dataset``, a Python generator or a ``keras.utils.PyDataset``
         of ``(x, y)`` or ``(x, y, sample_weight)`` global batches (infinite ones need ``steps_per_epoch``).
         ``batch_size`` (default 32) is the global batch, split across replicas. Shuffling depends only on ``seed``
-        and the epoch. ``verbose=1`` shows the Keras progress bar.
+        and the epoch. ``verbose=1`` shows the Keras progress bar (``"auto"``: on the chief, so one bar per job).
 
         With ``checkpoint_dir``, a checkpoint is saved at the end of every epoch (and every ``checkpoint_every``
         steps), keeping the newest ``keep``; started again with the same directory, training resumes from the last
@@ -312,7 +344,7 @@ class Parallel:
         self._require_model("fit")
         _check_fit_arguments(epochs, initial_epoch, steps_per_epoch, validation_steps, validation_freq)
         _check_checkpoint_arguments(checkpoint_dir, checkpoint_every, keep)
-        verbosity = check_verbose(verbose, 1)
+        verbosity = check_verbose(verbose, 1 if self.is_chief else 0)  # progress bars: the chief's by default
         callbacks = self._callbacks(callbacks)
         if validation_split and validation_data is not None:
             raise ValueError("validation_split and validation_data are exclusive: pass one of them")
@@ -328,7 +360,7 @@ class Parallel:
             checkpoints = Checkpointing(
                 checkpoint_dir, every=checkpoint_every, keep=keep, trainer=trainer, seed=start.seed
             )
-            start = checkpoints.resume(initial_epoch) or start
+            start = checkpoints.resume(initial_epoch, epochs) or start
             if start.seed != (self.seed or 0):  # the checkpoint's seed decides the order
                 source = self._batches(x, y, batch_size, steps=steps_per_epoch, seed=start.seed, **arguments)
         self._check_no_empty_replica(source)
@@ -385,10 +417,10 @@ class Parallel:
         x: Any,
         y: Any = None,
         *,
-        batch_size: int | None = None,
-        verbose: Verbose = 0,
         sample_weight: Any = None,
+        batch_size: int | None = None,
         steps: int | None = None,
+        verbose: Verbose = 0,
     ) -> dict[str, float]:
         """Loss and metrics over every sample of ``x``/``y`` (or the first ``steps`` batches), with Keras' names:
         ``{"loss": ..., "accuracy": ...}`` (``"<output>_loss"``, ``"<output>_<metric>"`` for multi-output models)."""

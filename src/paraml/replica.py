@@ -99,7 +99,7 @@ class ReplicaStep:
         """
         if self._metrics_built:
             return
-        x, y, w = zeros_like_spec(source.dataset(0).element_spec)
+        x, y, w = zeros_like_spec(source.dataset(0).element_spec, rows=source.batch_size or 1)
         with self.backend.metrics_scope():
             y_pred = self.backend.forward(self.model, x, training=False)
             self._scalar_loss = _returns_a_scalar(self.model.loss, y, y_pred)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
+from ..checks import did_you_mean
 from .base import Backend
 
 __all__ = ["available", "get_backend", "register", "unregister"]
@@ -44,5 +45,6 @@ def get_backend(name: str) -> type[Backend]:
     if name in _RESOLVED_ELSEWHERE:
         raise ValueError(f"strategy {name!r} is resolved by paraml.Parallel, not a backend of its own")
     if not isinstance(name, str) or name not in _BACKENDS:
-        raise ValueError(f"unknown strategy {name!r}; valid strategies: {', '.join(map(repr, available()))}")
+        hint = did_you_mean(name, available())
+        raise ValueError(f"unknown strategy {name!r}{hint}; valid strategies: {', '.join(map(repr, available()))}")
     return _BACKENDS[name]
