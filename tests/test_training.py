@@ -296,3 +296,16 @@ def test_stopping_mid_epoch_checkpoints_where_it_stopped(tmp_path, data_1001):
     par.fit(x[:256], y[:256], batch_size=64, epochs=3, callbacks=[StopAfterTwo()], verbose=0, checkpoint_dir=tmp_path)
     state = restore_checkpoint(latest_checkpoint(tmp_path), par.model, par.model.optimizer)
     assert (state.epoch, state.step) == (0, 2)
+
+
+def test_a_shape_error_shows_the_users_batch():
+    x = np.zeros((200, 4), "float32")
+    y = np.eye(3, dtype="float32")[np.arange(200) % 3]  # 3 classes; the model says 5
+    par = Parallel("single")
+    par.build(
+        lambda: keras.Sequential([keras.Input((4,)), keras.layers.Dense(5)]),
+        optimizer="sgd",
+        loss="categorical_crossentropy",
+    )
+    with pytest.raises(ValueError, match=r"target\.shape=\(64, 3\), output\.shape=\(64, 5\)"):
+        par.fit(x, y, batch_size=64, verbose=0)

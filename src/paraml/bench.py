@@ -170,6 +170,7 @@ RATIOS: dict[str, tuple[str, str]] = {
     "keras_fit_mirrored_vs_single": ("keras-fit-mirrored@{n}", "keras-fit-single@1"),
 }
 
+
 def compute_ratios(results: Sequence[BenchResult], devices: int = 2, metric: str = "step_ms") -> dict[str, float]:
     """The ratios of ``metric`` (one of :data:`paraml.benchmark.METRICS`), each the median of per-window ratios:
     :data:`RATIOS` (data-parallel rows on ``devices`` devices), ``xla_vs_no_xla_<row>`` for every paraml row with an
@@ -277,7 +278,6 @@ def _result_rows(results: Sequence[BenchResult]) -> list[list[str]]:
                 f"{r.fixed_ms:.1f}",
                 f"{r.first_step_s:.2f}",
                 format_bytes(largest) if largest else "-",
-                f"{r.peak_rss_mib:.0f}",
             ]
         )
     return rows
@@ -291,7 +291,6 @@ _RESULT_HEADER = [
     "fixed ms/call",
     "first step s",
     "largest variable bytes on one device",
-    "peak RSS MiB",
 ]
 
 

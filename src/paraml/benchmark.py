@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any
@@ -400,7 +401,9 @@ def _time_fit(fit: Callable[..., Any], work: Workload) -> tuple[float, Any]:
 
 
 def _paraml_variant(spec: Spec, work: Workload, par: Any) -> Variant:
-    par.build(work.model_fn, **work.compile_args())
+    with warnings.catch_warnings():  # the 1-device rows of a data-parallel strategy are measured on purpose
+        warnings.filterwarnings("ignore", message="strategy .* has one device")
+        par.build(work.model_fn, **work.compile_args())
     first, window = _time_fit(par.fit, work)
     devices = len(par.devices) * par.num_workers
     return Variant(spec, work, window, devices, first, par.model, par.model.optimizer, par)
