@@ -700,6 +700,7 @@ def test_restarts_run_out_and_the_last_failure_code_is_returned(tmp_path: Path) 
         "paraml launch: worker 1 exited with code 3; restart 1 of 2",
         "paraml launch: worker 1 exited with code 4; restart 2 of 2",
         "paraml launch: worker 1 exited with code 5; no restarts left (2 used)",
+        "paraml launch: worker 1 failed first: it exited with code 5",  # it printed nothing on stderr
     ]
     pids = _run_pids(tmp_path)
     assert len(pids) == 6
@@ -711,7 +712,7 @@ def test_without_max_restarts_nothing_is_restarted(tmp_path: Path) -> None:
     script = _script(tmp_path, RESTART_PIDS + "sys.exit(4)\n")
     err = io.StringIO()
     assert launch(str(script), num_workers=1, out=io.StringIO(), err=err) == 4
-    assert err.getvalue() == ""
+    assert err.getvalue() == "paraml launch: worker 0 failed first: it exited with code 4\n"  # the summary only
     assert sorted(_run_pids(tmp_path)) == ["pid0-r0"]
 
 

@@ -445,12 +445,12 @@ def launch(
             _reap(procs, readers)  # every process of this run is gone before the next starts
             if code == 0:
                 return 0
-            errors.line(lines.summary(code))
             if restart >= max_restarts:
                 if max_restarts:
                     errors.line(
                         f"paraml launch: worker {index} {_describe_exit(code)}; no restarts left ({max_restarts} used)"
                     )
+                errors.line(lines.summary(code))
                 return code
             restart += 1
             errors.line(f"paraml launch: worker {index} {_describe_exit(code)}; restart {restart} of {max_restarts}")
