@@ -94,3 +94,42 @@ def test_a_two_worker_tf_config_picks_multi_worker():
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("strategy=multi_worker workers=2") == 2
     assert "TF_CONFIG describes a cluster of 2 workers" in done.stdout
+
+
+VOCABULARY = ["a", "b", "c", "d"]
+
+
+def text_classifier():
+    """Strings in, through a StringLookup: the host build and its probe must handle text inputs."""
+    inputs = keras.Input((1,), dtype="string")
+    h = keras.layers.Flatten()(keras.layers.StringLookup(vocabulary=VOCABULARY, output_mode="one_hot")(inputs))
+    h = keras.layers.Dense(8, activation="relu")(h)
+    return keras.Model(inputs, keras.layers.Dense(2)(h))
+
+
+@pytest.mark.parametrize(
+    "strategy, options, chosen",
+    [
+        ("model_parallel", {}, "model_parallel"),
+        ("auto", {"device_memory": "4KiB"}, "model_parallel"),
+        ("auto", {"device_memory": "1GiB"}, "mirrored"),
+    ],
+)
+def test_whatever_auto_picks_starts_and_ends_like_single(strategy, options, chosen):
+    import numpy as np
+
+    x = np.array([[VOCABULARY[i % 4]] for i in range(64)])
+    y = np.arange(64) % 2
+
+    def train(name, devices=None, **kwargs):
+        par = Parallel(name, devices=devices, seed=3, **kwargs)
+        par.build(text_classifier, optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        initial = par.model.get_weights()
+        par.fit(x, y, batch_size=16, epochs=2, verbose=0)
+        return par, initial
+
+    reference, reference_initial = train("single")
+    par, initial = train(strategy, 2, **options)
+    assert par.strategy == chosen
+    for got, want in zip(initial + par.model.get_weights(), reference_initial + reference.model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

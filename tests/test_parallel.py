@@ -235,3 +235,14 @@ def test_workers_of_a_launch_that_do_not_form_a_cluster_are_warned(monkeypatch):
     monkeypatch.setenv("PARAML_NUM_WORKERS", "2")  # what paraml launch -n 2 sets
     with pytest.warns(UserWarning, match="paraml launch started 2 workers, but strategy 'mirrored' does not make"):
         Parallel("mirrored", devices=2)
+
+
+def test_central_storage_refuses_a_grouped_convolution_by_name():
+    def grouped():
+        return keras.Sequential(
+            [keras.Input((8, 8, 4)), keras.layers.Conv2D(4, 3, groups=2, name="grouped"), keras.layers.Flatten()]
+        )
+
+    with pytest.raises(ValueError, match="strategy 'central_storage' cannot train layer 'grouped', a grouped conv"):
+        Parallel("central_storage", devices=2).build(grouped, optimizer="sgd", loss="mse")
+    Parallel("mirrored", devices=2).build(grouped, optimizer="sgd", loss="mse")  # its variables are on every device

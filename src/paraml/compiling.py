@@ -61,6 +61,7 @@ def compile_model(
     ``merge_call`` in the ``cond``): the optimizer is re-created without it and the loop accumulates instead, with
     the same rule (``Compiled.accumulation_steps``).
     """
+    _check_layers(backend, model)
     with backend.scope():
         optimizer = fresh_optimizer(compile_args["optimizer"])
         accumulation = optimizer.gradient_accumulation_steps
@@ -105,6 +106,17 @@ def decide_xla(jit_compile: bool | str, backend: Backend, model: keras.Model) ->
     if problem is None:
         return True, "jit_compile='auto': XLA on, the model and the backend support it"
     return False, f"jit_compile='auto': XLA off, {problem}"
+
+
+def _check_layers(backend: Backend, model: keras.Model) -> None:
+    """Refuse, by name, a layer the backend cannot run (before anything is compiled or trained)."""
+    problem = backend.capabilities.grouped_convolution_problem
+    grouped = [layer.name for layer in _all_layers(model) if (getattr(layer, "groups", 1) or 1) > 1]
+    if problem is not None and grouped:
+        raise ValueError(
+            f"strategy {backend.name!r} cannot train layer {grouped[0]!r}, a grouped convolution: {problem}. Use "
+            "'mirrored' (variables on every device) or 'single'"
+        )
 
 
 def _all_layers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:

@@ -225,13 +225,13 @@ class Parallel:
         host_model = None
         if self._backend is None:
             assert self._auto is not None
+            self._seed_globals()  # auto's host build is the first build model_parallel would keep: seeded like it
             self._backend, host_model = self._auto.choose(model_fn, optimizer)
             self._warn_if_alone()
         note = self._one_device_note()
         if note is not None and self._model is None:  # once per Parallel
             warnings.warn(note, stacklevel=2)
-        if self.seed is not None:
-            keras.utils.set_random_seed(self.seed)
+        self._seed_globals()
         model = self.backend.build_model(model_fn, optimizer, host_model)
         if not isinstance(model, keras.Model):
             raise TypeError(f"model_fn must return a keras.Model, it returned {type(model).__name__}")
@@ -255,6 +255,11 @@ class Parallel:
         else:  # a subclassed model built lazily (as Keras builds it at the first batch of fit)
             self._pending_compile = compile_args
         return model
+
+    def _seed_globals(self) -> None:
+        """Seed Python, NumPy, TensorFlow and Keras, so that a build gives the same weights on every backend."""
+        if self.seed is not None:
+            keras.utils.set_random_seed(self.seed)
 
     def _compile(self, compile_args: dict[str, Any]) -> None:
         compiled = compile_model(self.backend, self.model, compile_args, self.jit_compile)

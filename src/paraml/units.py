@@ -220,7 +220,10 @@ def probe_inputs(model: Any, rows: int = PROBE_ROWS, unknown: int = PROBE_DIMS[0
                 dims.append(unknown)
             else:
                 dims.append(int(dim))
-        return np.ones(dims, dtype=str(getattr(dtype, "name", dtype)))
+        name = str(getattr(dtype, "name", dtype))
+        if name == "string":  # a StringLookup's input: text, not ones
+            return np.full(dims, "1", dtype=object)
+        return np.ones(dims, dtype=name)
 
     inputs = None
     try:

@@ -110,12 +110,15 @@ class Capabilities:
             its first batch; False for a backend that places weights at build.
         xla_problem: Why the replicas' step cannot be compiled with XLA here, or None.
         loss_scaling_problem: Why Keras' ``LossScaleOptimizer`` (``mixed_float16``) cannot be stepped here, or None.
+        grouped_convolution_problem: Why a convolution with ``groups > 1`` (a grouped or depthwise one, as in
+            ConvNeXt) cannot run here, or None.
     """
 
     skips_empty_replicas: bool = True
     builds_on_first_batch: bool = True
     xla_problem: str | None = None
     loss_scaling_problem: str | None = None
+    grouped_convolution_problem: str | None = None
 
 
 class Backend(abc.ABC):
