@@ -390,3 +390,36 @@ def test_regularization_and_a_last_batch_smaller_than_micro_batches_match_single
 
     # 33 rows: the last batch has 1 row, so 2 of its 3 micro-batches are empty (and skipped)
     assert_same_training(regularized, dense_data(33), micro_batches=(3,))
+
+
+class _AddedLoss(keras.layers.Layer):
+    """A VAE-style term: a loss the layer adds during its call."""
+
+    def call(self, z):
+        self.add_loss(1e-2 * keras.ops.mean(keras.ops.square(z)))
+        return z
+
+
+def _with_layer_losses():
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(8, activity_regularizer=keras.regularizers.L2(1e-2))(inputs)
+    return keras.Model(inputs, keras.layers.Dense(3)(_AddedLoss()(h)))
+
+
+def test_losses_added_by_layers_under_micro_batches_equal_single():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(50, 6)).astype("float32"), rng.integers(0, 3, 50)  # 50: a short last batch of 2
+    results = {}
+    for strategy, devices, options in [("single", None, {}), ("model_parallel", 2, {"micro_batches": 2})]:
+        par = Parallel(strategy, devices=devices, seed=0, **options)
+        par.build(
+            _with_layer_losses, optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
+        history = par.fit(x, y, batch_size=16, epochs=2, verbose=0, validation_data=(x, y))
+        results[strategy] = (par.model.get_weights(), history.history, par.evaluate(x, y, batch_size=16))
+    (weights, history, evaluated), (want_weights, want_history, want_evaluated) = results.values()
+    for got, want in zip(weights, want_weights):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    for name in ("loss", "val_loss"):
+        np.testing.assert_allclose(history[name], want_history[name], rtol=1e-5)
+    assert evaluated["loss"] == pytest.approx(want_evaluated["loss"], rel=1e-5)

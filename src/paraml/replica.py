@@ -197,8 +197,7 @@ class ReplicaStep:
             accumulator.assign(tf.zeros_like(accumulator))
 
     def _test(self, x: Any, y: Any, w: Any, *, weighted: bool) -> None:
-        y_pred = self.backend.forward(self.model, x, training=False)
-        self._objective(tf.constant(1.0), False, weighted)(x, y, y_pred, w)
+        self.backend.loss(self.model, x, y, w, self._objective(tf.constant(1.0), False, weighted), training=False)
 
     def _predict(self, x: Any, y: Any, w: Any) -> Any:
         del y, w

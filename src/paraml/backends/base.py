@@ -126,8 +126,8 @@ class Backend(abc.ABC):
 
     A subclass sets ``option_names`` (the keyword options it accepts; the facade refuses any other before building
     anything), ``capabilities`` when it differs from the default, and :attr:`topology` in ``__init__``; it implements
-    the abstract methods. ``build_model``, ``metrics_scope``, ``forward``, ``gradients``, ``across_workers`` and
-    ``describe`` have data-parallel, one-process defaults (the whole model on each replica).
+    the abstract methods. ``build_model``, ``metrics_scope``, ``forward``, ``loss``, ``gradients``,
+    ``across_workers`` and ``describe`` have data-parallel, one-process defaults (the whole model on each replica).
     """
 
     #: The strategy name users pass to ``Parallel`` (set by ``register``).
@@ -196,13 +196,23 @@ class Backend(abc.ABC):
         """The model's output for ``x`` on this replica."""
         return model(x, training=training)
 
+    def loss(
+        self, model: keras.Model, x: Any, y: Any, sample_weight: Any, objective: Objective, training: bool
+    ) -> tuple[tf.Tensor, Any]:
+        """The forward pass and ``objective`` on this replica: (the loss, the model's output).
+
+        A backend that splits the batch (micro-batches) applies ``objective`` to each part right after that part's
+        forward pass, as it reads the losses the layers added during that call.
+        """
+        y_pred = self.forward(model, x, training=training)
+        return objective(x, y, y_pred, sample_weight), y_pred
+
     def gradients(
         self, model: keras.Model, x: Any, y: Any, sample_weight: tf.Tensor, objective: Objective
     ) -> tuple[list[tf.Tensor], Any]:
         """Gradients of ``objective`` with respect to the trainable variables, and the model's output."""
         with tf.GradientTape() as tape:
-            y_pred = self.forward(model, x, training=True)
-            loss = objective(x, y, y_pred, sample_weight)
+            loss, y_pred = self.loss(model, x, y, sample_weight, objective, training=True)
         return tape.gradient(loss, model.trainable_variables), y_pred
 
     def describe(self) -> str:

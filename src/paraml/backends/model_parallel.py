@@ -263,12 +263,11 @@ class ModelParallelBackend(Backend):
     def forward(self, model: keras.Model, x: Any, training: bool) -> Any:
         return self._run(model, self._parts(x, None, None), training, None)[0]
 
-    def gradients(
-        self, model: keras.Model, x: Any, y: Any, sample_weight: Any, objective: Objective
-    ) -> tuple[list[tf.Tensor], Any]:
-        with tf.GradientTape() as tape:
-            y_pred, total = self._run(model, self._parts(x, y, sample_weight), True, objective)
-        return tape.gradient(total, model.trainable_variables), y_pred
+    def loss(
+        self, model: keras.Model, x: Any, y: Any, sample_weight: Any, objective: Objective, training: bool
+    ) -> tuple[tf.Tensor, Any]:
+        y_pred, total = self._run(model, self._parts(x, y, sample_weight), training, objective)
+        return total, y_pred
 
     def describe(self) -> str:
         devices = self.topology.devices
