@@ -383,18 +383,25 @@ def test_subclassed_model_activations_are_measured_from_a_call() -> None:
     assert model.call.__func__ is Sub.call  # the observation left the model as it was
 
 
+class _NeedsTwo(keras.Model):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = keras.layers.Dense(3, name="a")
+        self.a.build((None, 4))
+
+    def call(self, pair):  # noqa: ANN001, ANN201
+        return self.a(pair[0]) + pair[1]
+
+
+def _needs_two() -> keras.Model:
+    """A subclassed model built with a shape it cannot actually be called with."""
+    model = _NeedsTwo()
+    model.build((2, 4))
+    return model
+
+
 def test_a_model_that_cannot_be_called_falls_back_to_declaration_order() -> None:
-    class NeedsTwo(keras.Model):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a = keras.layers.Dense(3, name="a")
-            self.a.build((None, 4))
-
-        def call(self, pair):  # noqa: ANN001, ANN201
-            return self.a(pair[0]) + pair[1]
-
-    model = NeedsTwo()
-    model.build((2, 4))  # a shape the model cannot actually be called with
+    model = _needs_two()
     est = estimate_memory(model, optimizer="sgd")
     assert [name for name, _, _ in est.per_layer] == ["a"]
     assert "could not be called on a probe batch" in est.note
@@ -528,17 +535,7 @@ def test_unit_costs_fall_back_to_symbolic_outputs_when_the_model_cannot_be_calle
 
 
 def test_observation_notes_name_units_without_activations() -> None:
-    class NeedsTwo(keras.Model):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a = keras.layers.Dense(3, name="a")
-            self.a.build((None, 4))
-
-        def call(self, pair):  # noqa: ANN001, ANN201
-            return self.a(pair[0]) + pair[1]
-
-    model = NeedsTwo()
-    model.build((2, 4))
+    model = _needs_two()
     observation = observe_units(model)
     assert unit_costs(observation, 3) == [LayerCost("a", (4 * 3 + 3) * F32, 0)]
     notes = observation_notes(observation)
