@@ -851,9 +851,9 @@ def test_a_missing_worker_ends_the_wait_with_its_name(tmp_path: Path) -> None:
     script = tmp_path / "alone.py"
     script.write_text("import paraml\nparaml.Parallel('multi_worker')\nprint('formed')\n")
     env = {**os.environ, "TF_CONFIG": tf_config, "TF_CPP_MIN_LOG_LEVEL": "3", "PARAML_CONNECT_TIMEOUT": "5"}
-    start = time.monotonic()
+    # subprocess's timeout bounds the wait: a hang fails the test with TimeoutExpired
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
-    assert done.returncode != 0 and time.monotonic() - start < 60
+    assert done.returncode != 0
     assert f"worker 1 (127.0.0.1:{ports[1]}) never started" in done.stderr and "formed" not in done.stdout
     env["PARAML_CONNECT_TIMEOUT"] = "none"
     waiting = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
