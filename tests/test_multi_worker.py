@@ -73,6 +73,24 @@ def test_multi_worker_equals_single_on_the_same_global_batches(two_workers):
     assert float(w0["test_accuracy"]) == pytest.approx(par.evaluate(x_test, y_test, batch_size=100)["accuracy"])
 
 
+def test_a_models_own_train_step_runs_on_every_worker_as_in_keras(two_workers):
+    _, (w0, w1) = two_workers
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from own_step import own_step_model  # the workers' model
+    finally:
+        sys.path.pop(0)
+    (x, _), _ = load_digits()
+    model = own_step_model()
+    model.set_weights(weights(w0, "own_initial"))
+    model.compile(optimizer=keras.optimizers.SGD(0.05))
+    history = model.fit(x, x[:, 0, :2], batch_size=64, epochs=2, shuffle=False, verbose=0)
+    for mine, other, want in zip(weights(w0, "own_final"), weights(w1, "own_final"), model.get_weights()):
+        np.testing.assert_array_equal(mine, other)
+        np.testing.assert_allclose(mine, want, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(w0["own_mse"], history.history["mse"], rtol=1e-4)
+
+
 def test_a_failing_worker_stops_the_run(tmp_path):
     # worker 1 raises after start-up; worker 0 waits in a collective: the launcher must stop it, not hang
     done = run_launch("-n", "2", "--stop-timeout", "5", str(SCRIPT), str(tmp_path), "--fail-worker", "1", timeout=60)

@@ -34,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from .checks import check_int
+from .compiling import extra_optimizers
 from .preemption import Preempted, PreemptionGuard
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -61,9 +62,21 @@ class CheckpointState:
     seed: int
 
 
-def _trackables(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> dict[str, tf.Variable]:
-    tracked = {f"model_{i:05d}": v.value for i, v in enumerate(model.weights)}
+def _seed_states(model: keras.Model) -> list[Any]:
+    """The states of the model's random-seed generators (Dropout's, a GAN's noise), which are not among its weights."""
+    return [v for v in model.variables if v.path.endswith("seed_generator_state")]
+
+
+def _trackables(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> dict[str, Any]:
+    tracked: dict[str, Any] = {f"model_{i:05d}": v.value for i, v in enumerate(model.weights)}
+    # Without them, a resumed run would draw the random numbers of its first steps again.
+    tracked.update({f"seed_{i:05d}": v.value for i, v in enumerate(_seed_states(model))})
     tracked.update({f"optimizer_{i:05d}": v.value for i, v in enumerate(optimizer.variables)})
+    # Other optimizers of the model (a GAN's d_optimizer and g_optimizer) create their variables at their first
+    # update, after a resume has read the checkpoint: their list of variables (a TensorFlow trackable list) is saved,
+    # so that a restore fills each variable, by position, when it is created.
+    for name, extra in extra_optimizers(model).items():
+        tracked[f"extra_{name}"] = getattr(extra, "_variables", None) or [v.value for v in extra.variables]
     return tracked
 
 
@@ -208,9 +221,12 @@ def restore_checkpoint(
             f"this model has ({len(model.weights)})"
         )
     progress = tf.Variable(np.zeros(3, np.int64), trainable=False)
-    checkpoint = tf.train.Checkpoint(**_trackables(model, optimizer), progress=progress)
+    # A checkpoint written before paraml saved seed states has none: those keep their values.
+    tracked = {k: v for k, v in _trackables(model, optimizer).items() if not k.startswith("seed_") or k in stored}
+    checkpoint = tf.train.Checkpoint(**tracked, progress=progress)
     # optimizer_class was checked above; it is not a variable of this model, so it is not restored (expect_partial:
-    # TensorFlow would otherwise warn about it, twice, when the status is deleted)
+    # TensorFlow would otherwise warn about it, twice, when the status is deleted). Variables of other optimizers not
+    # created yet are restored when they are (the status stays with them).
     try:
         checkpoint.read(prefix).assert_existing_objects_matched().expect_partial()
     except (tf.errors.OpError, AssertionError, IndexError, ValueError) as error:

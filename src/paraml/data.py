@@ -77,6 +77,8 @@ class GlobalBatches:
     weighted: bool = False
     """Whether the user gave sample weights (``sample_weight``, ``class_weight`` or ``(x, y, w)`` elements); without
     them the loop passes no weights to Keras (ones of shape ``(batch,)`` would not broadcast to a sequence loss)."""
+    targeted: bool = True
+    """Whether the user gave targets (without them ``y`` is a placeholder; a model's own step gets no ``y``)."""
     _make_pass: Callable[[int], tf.data.Dataset] | None = field(default=None, repr=False)
 
     def dataset(self, epoch: int = 0, stop: int | None = None, skip: int = 0) -> tf.data.Dataset:
@@ -287,6 +289,7 @@ def _from_arrays(
         )
     x = _as_arrays(x)
     n = _num_rows(x, "x")
+    targeted = y is not None
     if y is None:
         if need_targets:
             raise ValueError(
@@ -330,6 +333,7 @@ def _from_arrays(
         batch_size,
         arrays,
         weighted=sample_weight is not None or class_weight is not None,
+        targeted=targeted,
     )
 
 
@@ -481,6 +485,7 @@ def _from_batches(
         None,
         py_dataset=py_dataset,
         weighted=arity > 2 or class_weight is not None,
+        targeted=arity > 1,
         _make_pass=one_pass,
     )
 

@@ -21,7 +21,7 @@ from .auto import AUTO_OPTIONS, AutoChoice
 from .backends.base import Backend
 from .checkpoint import Checkpointing, CheckpointState, restore_checkpoint, save_checkpoint
 from .checks import check_int, check_verbose, did_you_mean
-from .compiling import check_compile_names, compile_model
+from .compiling import check_compile_names, compile_model, overrides
 from .data import GlobalBatches, global_batches, split_validation, zeros_like_spec
 from .devices import no_gpu_reason
 from .partition import PartitionPlan
@@ -220,6 +220,11 @@ class Parallel:
         ``auto_scale_loss`` take what ``keras.Model.compile`` takes, nested per output for multi-output models.
         ``steps_per_execution`` and ``jit_compile`` are options of :class:`Parallel`; ``run_eagerly`` is not
         supported (paraml's loop is always compiled).
+
+        A model's own ``compile`` gets what it takes: further keyword arguments go to it (a GAN's
+        ``d_optimizer=..., g_optimizer=..., loss_fn=...``), every optimizer among them re-created under the backend.
+        A model with its own ``train_step`` needs no ``loss``; its ``train_step``, ``test_step`` and
+        ``predict_step`` run on each replica, as in Keras' ``fit`` under the same strategy.
         """
         _check_build_arguments(model_fn, loss, metrics, weighted_metrics, compile_options)
         host_model = None
@@ -242,7 +247,13 @@ class Parallel:
             "metrics": [metrics] if isinstance(metrics, str) else metrics,
             "weighted_metrics": [weighted_metrics] if isinstance(weighted_metrics, str) else weighted_metrics,
             "auto_scale_loss": auto_scale_loss,
+            **compile_options,  # the arguments of the model's own compile
         }
+        if loss is None and not overrides(model, "train_step"):
+            raise ValueError(
+                "loss is required, e.g. loss='sparse_categorical_crossentropy' (or one per output); only a model "
+                "with its own train_step trains without one"
+            )
         self._model, self._trainer = model, None
         if model.weights:
             self._compile(compile_args)
@@ -293,8 +304,10 @@ class Parallel:
         return self._trainer
 
     # -- train, evaluate, predict -------------------------------------------------------------------------------------
-    def _batches(self, x: Any, y: Any, batch_size: int | None, **kwargs: Any) -> GlobalBatches:
+    def _batches(self, x: Any, y: Any, batch_size: int | None, step: str = "test_step", **kwargs: Any) -> GlobalBatches:
+        """Global batches for the model's ``step``; targets are required unless the model wrote that step itself."""
         kwargs.setdefault("seed", self.seed or 0)
+        kwargs.setdefault("need_targets", self._model is None or not overrides(self._model, step))
         return global_batches(x, y, batch_size=batch_size, num_replicas=self.num_replicas, **kwargs)
 
     def _validation_batches(self, data: Any, batch_size: int | None, steps: int | None) -> GlobalBatches | None:
@@ -356,7 +369,7 @@ class Parallel:
         if validation_split:
             (x, y, sample_weight), validation_data = split_validation(x, y, sample_weight, validation_split)
         arguments = {"shuffle": shuffle, "sample_weight": sample_weight, "class_weight": class_weight}
-        source = self._batches(x, y, batch_size, steps=steps_per_epoch, **arguments)
+        source = self._batches(x, y, batch_size, "train_step", steps=steps_per_epoch, **arguments)
         trainer = self._ready("fit", source)
         validation = self._validation_batches(validation_data, validation_batch_size or batch_size, validation_steps)
         start = CheckpointState(initial_epoch, 0, self.seed or 0)
@@ -367,7 +380,9 @@ class Parallel:
             )
             start = checkpoints.resume(initial_epoch, epochs) or start
             if start.seed != (self.seed or 0):  # the checkpoint's seed decides the order
-                source = self._batches(x, y, batch_size, steps=steps_per_epoch, seed=start.seed, **arguments)
+                source = self._batches(
+                    x, y, batch_size, "train_step", steps=steps_per_epoch, seed=start.seed, **arguments
+                )
         self._check_no_empty_replica(source)
         with checkpoints.stop_on_signal() if checkpoints is not None else nullcontext() as stop_requested:
             history, preempted = trainer.fit(
@@ -475,18 +490,12 @@ def _check_build_arguments(
                 "run_eagerly is not supported: paraml's loop runs in tf.function on every backend; to debug a "
                 "model eagerly, use plain keras model.compile(run_eagerly=True).fit(...)"
             )
-        raise TypeError(
-            f"build() got an unexpected keyword argument {name!r}; valid: optimizer, loss, metrics, "
-            "loss_weights, weighted_metrics, auto_scale_loss"
-        )
     if not callable(model_fn) or isinstance(model_fn, keras.layers.Layer):
         raise TypeError(
             f"model_fn must be a zero-argument function that returns a keras.Model, got {model_fn!r}: pass the "
             "function that builds the model (not the model), so its variables are created where the backend "
             "places them"
         )
-    if loss is None:
-        raise ValueError("loss is required, e.g. loss='sparse_categorical_crossentropy' (or one per output)")
     check_compile_names(loss, metrics, weighted_metrics)
 
 

@@ -5,10 +5,15 @@ Losses and metrics are Keras' own: the model is compiled as usual and each repli
 ``compute_loss`` work as in ``model.fit`` and the logs carry Keras' names.
 
 The loss is averaged over the *global* batch. Keras divides a replica's loss by the replica's rows and by the number
-of replicas, which is right only when every replica has the same number of rows. paraml multiplies each replica's
-loss by ``rows * replicas / global_rows`` (the global rows are all-reduced), which makes the sum over replicas the
-mean over the global batch, regularisation included, also when a final, short batch is split unevenly or leaves a
-replica empty, and also for the micro-batches of ``model_parallel``.
+of replicas, which is right only when every replica has the same number of rows. paraml turns each part's loss into
+sums (the loss times the part's rows; for a masked output, the loss times the part's real tokens, and the tokens) that
+add up over micro-batches and replicas, and divides them by the global counts (all-reduced). The sum over replicas is
+then the mean over the global batch, regularisation included, also when a final, short batch is split unevenly or
+leaves a replica empty, also for the micro-batches of ``model_parallel``, and a masked loss is the mean over the global
+batch's real tokens, as on one device (Keras under ``MirroredStrategy`` averages the replicas' token means instead).
+
+A model that overrides ``train_step``, ``test_step`` or ``predict_step`` runs its own, on each replica, as Keras'
+``fit`` does under the same strategy; its logs are reduced over the replicas as Keras reduces them.
 """
 
 from __future__ import annotations
@@ -21,9 +26,15 @@ import keras
 import tensorflow as tf
 
 from .backends.base import Backend, Objective
+from .compiling import STEP_METHODS, extra_optimizers, overrides
 from .data import GlobalBatches, zeros_like_spec
+from .masks import keras_mask
 
 __all__ = ["ReplicaStep"]
+
+#: An objective's loss parts: [loss x rows, a masked output's loss x its real tokens, the real tokens]; each adds up
+#: over micro-batches and replicas.
+LOSS_PARTS = 3
 
 #: A compiled execution: ``function(iterator, stop) -> (metrics, stop agreed by every worker)`` for train and test,
 #: ``function(iterator, stop) -> outputs`` for predict.
@@ -53,8 +64,8 @@ class ReplicaStep:
     """The per-replica work of one compiled model on one backend, and the cache of ``tf.function`` s that run it.
 
     ``accumulation_steps``: Keras' ``gradient_accumulation_steps``, run here (the optimizer was re-created without
-    it). ``jit_compile``: the replicas' forward pass, loss and gradients under XLA; the optimizer update stays
-    outside (under tf.distribute it is a sync point, which TF refuses inside a nested compiled function).
+    it). ``jit_compile``: the replicas' forward pass and loss under XLA (and so their gradients); the optimizer update
+    stays outside (under tf.distribute it is a sync point, which TF refuses inside a nested compiled function).
     """
 
     def __init__(
@@ -64,6 +75,8 @@ class ReplicaStep:
         self.model = model
         self.optimizer: keras.optimizers.Optimizer = model.optimizer
         self.replicas = backend.topology.num_replicas
+        #: The step methods the model overrides ("train_step", ...): those run as the model wrote them.
+        self.own_steps = frozenset(name for name in STEP_METHODS if overrides(model, name))
         # Keras' own tracker (``model.fit`` updates it); a model whose ``metrics`` leaves it out keeps its own.
         self.loss_tracker = next(
             (m for m in model.metrics if m.name == "loss" and isinstance(m, keras.metrics.Mean)), None
@@ -83,9 +96,10 @@ class ReplicaStep:
                     for v in model.trainable_variables
                 ]
         self.jit_compile = jit_compile
-        self._xla_gradients = tf.function(self._replica_gradients, jit_compile=True)
-        self._functions: dict[tuple[str, int, tuple[bool, ...], bool], StepFunction] = {}
+        self._xla_parts = tf.function(self._parts, jit_compile=True)
+        self._functions: dict[tuple[str, int, tuple[bool, ...], bool, bool], StepFunction] = {}
         self._scalar_loss = False  # whether a compiled loss function returns one value for the batch
+        self._masked = False  # whether the loss is the mean over a masked output's real tokens
         self._metrics_built = False
         self._output_dtypes: Any = None
 
@@ -95,33 +109,75 @@ class ReplicaStep:
 
         Keras creates them lazily at the first call, which under a strategy would be inside a replica. Any bad loss
         or metric for this model and data (a wrong output name, a loss that does not fit the targets) fails here,
-        before training starts.
+        before training starts. A model with its own ``train_step`` and no compiled loss (a GAN) has nothing to
+        build.
         """
         if self._metrics_built:
             return
+        self._metrics_built = True
+        if "train_step" in self.own_steps:
+            self._build_optimizers(source)
+            if self.model.loss is None:
+                return
         x, y, w = zeros_like_spec(source.dataset(0).element_spec, rows=source.batch_size or 1)
         with self.backend.metrics_scope():
             y_pred = self.backend.forward(self.model, x, training=False)
             self._scalar_loss = _returns_a_scalar(self.model.loss, y, y_pred)
+            self._masked = _exact_over_tokens(self.model, y_pred)
             w = w if source.weighted or self._scalar_loss else None
             self.model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=w, training=False)
             self.model.compute_metrics(x, y, y_pred, sample_weight=w)
         self.model.reset_metrics()
-        self._metrics_built = True
+
+    def _build_optimizers(self, source: GlobalBatches) -> None:
+        """Build the model's other optimizers (a GAN's) before the first step, on the variables its ``train_step``
+        applies them to (found by tracing the step once, with the optimizers' ``apply`` recording instead of
+        updating). Built inside a replica at their first update, their variables break ``MirroredStrategy`` (Keras'
+        own ``fit`` fails there for the Keras GAN example)."""
+        unbuilt = [optimizer for optimizer in extra_optimizers(self.model).values() if not optimizer.built]
+        if not unbuilt:
+            return
+        spec = source.dataset(0).element_spec
+        applied: dict[int, list[Any]] = {id(optimizer): [] for optimizer in unbuilt}
+
+        def recorder(optimizer: keras.optimizers.Optimizer) -> Callable[..., None]:
+            def apply(grads: Any, trainable_variables: Any = None) -> None:
+                del grads
+                seen = applied[id(optimizer)]
+                seen.extend(v for v in trainable_variables or () if not any(v is s for s in seen))
+
+            return apply
+
+        def step() -> None:
+            x, y, w = zeros_like_spec(spec)
+            self.backend.run(self.model.train_step, (_keras_data(x, y, w, source.targeted, source.weighted),))
+
+        for optimizer in unbuilt:
+            optimizer.apply = recorder(optimizer)  # on the instance, for this trace only
+        try:
+            with self.backend.scope():
+                tf.function(step).get_concrete_function()
+        finally:
+            for optimizer in unbuilt:
+                del optimizer.apply
+        with self.backend.scope():
+            for optimizer in unbuilt:
+                if applied[id(optimizer)]:
+                    optimizer.build(applied[id(optimizer)])
 
     def output_dtypes(self, source: GlobalBatches) -> Any:
-        """The dtypes of the model's outputs (one forward pass on a one-sample batch shaped like ``source``'s)."""
+        """The dtypes of the model's outputs (one prediction on a one-sample batch shaped like ``source``'s)."""
         if self._output_dtypes is None:
             x = zeros_like_spec(source.dataset(0).element_spec)[0]
             with self.backend.scope():
-                outputs = self.backend.forward(self.model, x, training=False)
+                outputs = self._predict(x, None, None, False, False)
             self._output_dtypes = tf.nest.map_structure(lambda t: t.dtype, outputs)
         return self._output_dtypes
 
     # -- inside a replica ---------------------------------------------------------------------------------------------
-    def _objective(self, global_rows: tf.Tensor, training: bool, weighted: bool) -> Objective:
-        """The loss to differentiate for (a part of) a replica's batch; also updates the loss tracker and metrics."""
-        model, tracker = self.model, self.loss_tracker
+    def _objective(self, training: bool, weighted: bool) -> Objective:
+        """The loss parts (``LOSS_PARTS``) of (a part of) a replica's batch; also updates the metrics."""
+        model, masked = self.model, self._masked
         replicas = float(self.replicas)
 
         def objective(x: Any, y: Any, y_pred: Any, w: Any) -> tf.Tensor:
@@ -129,48 +185,49 @@ class ReplicaStep:
             # gets ones, so that Keras spreads it over the rows and scales it like any other (it does not scale a
             # bare scalar by the replicas, which would count it once per replica).
             w = w if weighted or self._scalar_loss else None
-            loss = tf.cast(model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=w, training=training), "float32")
+            loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=w, training=training)
+            loss = tf.cast(loss, "float32") * replicas  # Keras divides every term by the replicas
             rows = tf.cast(_rows(x), tf.float32)
-            if tracker is not None:  # Keras logs the replica's unscaled loss, weighted by its rows
-                tracker.update_state(loss * replicas, sample_weight=rows)
             model.compute_metrics(x, y, y_pred, sample_weight=w)
-            return self.optimizer.scale_loss(loss * (rows * replicas / global_rows))
+            mask = keras_mask(y_pred) if masked else None
+            if mask is None:
+                return tf.stack([loss * rows, 0.0, 0.0])
+            # Keras' masked loss is the mean over this part's real tokens: kept apart as (sum, tokens).
+            tokens = tf.reduce_sum(tf.cast(mask, tf.float32))
+            added = [tf.reduce_sum(tf.cast(a, tf.float32)) for a in model.losses]  # add_loss, regularizers
+            other = tf.add_n(added) if added else tf.zeros(())
+            return tf.stack([other * rows, (loss - other) * tokens, tokens])
 
         return objective
 
-    def _replica_gradients(self, x: Any, y: Any, w: Any, global_rows: tf.Tensor, weighted: bool) -> list[Any]:
-        """Forward pass, loss and gradients of this replica (what ``jit_compile=True`` compiles with XLA)."""
-        grads, _ = self.backend.gradients(self.model, x, y, w, self._objective(global_rows, True, weighted))
-        return [tf.zeros_like(v) if g is None else g for g, v in zip(grads, self.model.trainable_variables)]
+    def _combine(self, parts: tf.Tensor, rows: tf.Tensor, global_rows: tf.Tensor) -> tf.Tensor:
+        """This replica's share of the global batch's loss from its summed ``parts``; Keras' loss tracker is
+        updated with it (as the replica's mean, weighted by its rows, so that the logged loss is the global mean)."""
+        loss = tf.math.divide_no_nan(parts[0], global_rows)
+        if self._masked:  # every replica takes part in this all-reduce, also one the last batch left empty
+            loss += tf.math.divide_no_nan(parts[1], self.backend.all_reduce_sum(parts[2]))
+        if self.loss_tracker is not None:
+            self.loss_tracker.update_state(tf.math.divide_no_nan(loss * global_rows, rows), sample_weight=rows)
+        return loss
+
+    def _parts(self, x: Any, y: Any, w: Any, weighted: bool) -> tf.Tensor:
+        """Forward pass and loss parts of this replica (what ``jit_compile=True`` compiles with XLA)."""
+        return self.backend.loss(self.model, x, y, w, self._objective(True, weighted), training=True)[0]
 
     def _gradients(self, x: Any, y: Any, w: Any, rows: tf.Tensor, global_rows: tf.Tensor, weighted: bool) -> list[Any]:
-        """This replica's gradients; zeros (of the same kinds) for a replica the last batch left empty."""
+        """This replica's gradients (zeros for a replica the last batch left empty)."""
         variables = self.model.trainable_variables
-        kinds: list[Any] = []
-
-        def compute() -> list[Any]:
-            gradients = self._xla_gradients if self.jit_compile else self._replica_gradients
-            grads = gradients(x, y, w, global_rows, weighted)
-            kinds[:] = grads
-            return grads
-
-        def nothing() -> list[Any]:
-            # Sparse gradients (an Embedding's IndexedSlices) stay sparse: the other branch must match their kind.
-            return [
-                tf.IndexedSlices(
-                    tf.zeros([0, *g.values.shape[1:]], g.values.dtype),
-                    tf.zeros([0], g.indices.dtype),
-                    tf.constant(list(v.shape), g.dense_shape.dtype),
-                )
-                if isinstance(g, tf.IndexedSlices)
-                else tf.zeros_like(v)
-                for g, v in zip(kinds, variables)
-            ]
-
-        if not self.backend.capabilities.skips_empty_replicas:  # a sync point in the forward pass forbids cond
-            return compute()
-        # Running the model on no rows would feed NaN into layers such as BatchNormalization.
-        return tf.cond(rows > 0, compute, nothing)
+        parts = self._xla_parts if self.jit_compile else self._parts
+        with tf.GradientTape() as tape:
+            if self.backend.capabilities.skips_empty_replicas:
+                # Running the model on no rows would feed NaN into layers such as BatchNormalization. The cond holds
+                # the forward pass only: the all-reduce of _combine must run on every replica, outside any cond.
+                summed = tf.cond(rows > 0, lambda: parts(x, y, w, weighted), lambda: tf.zeros([LOSS_PARTS]))
+            else:  # a sync point in the forward pass forbids cond
+                summed = parts(x, y, w, weighted)
+            loss = self.optimizer.scale_loss(self._combine(summed, tf.cast(rows, tf.float32), global_rows))
+        grads = tape.gradient(loss, variables)
+        return [tf.zeros_like(v) if g is None else g for g, v in zip(grads, variables)]
 
     def _train(self, x: Any, y: Any, w: Any, *, update: bool, weighted: bool) -> None:
         """One training step on this replica. With gradient accumulation, ``update`` says whether this step applies
@@ -197,13 +254,34 @@ class ReplicaStep:
             accumulator.assign(tf.zeros_like(accumulator))
 
     def _test(self, x: Any, y: Any, w: Any, *, weighted: bool) -> None:
-        self.backend.loss(self.model, x, y, w, self._objective(tf.constant(1.0), False, weighted), training=False)
+        objective = self._objective(False, weighted)
+        parts, _ = self.backend.loss(self.model, x, y, w, objective, training=False)
+        rows = tf.cast(_rows(x), tf.float32)
+        self._combine(parts, rows, self.backend.all_reduce_sum(rows))
 
-    def _predict(self, x: Any, y: Any, w: Any) -> Any:
-        del y, w
-        outputs = self.backend.forward(self.model, x, training=False)
+    def _predict(self, x: Any, y: Any, w: Any, targeted: bool, weighted: bool) -> Any:
+        if "predict_step" in self.own_steps:
+            outputs = self.model.predict_step(_keras_data(x, y, w, targeted, weighted))
+        else:
+            outputs = self.backend.forward(self.model, x, training=False)
         # TF's collectives refuse bfloat16 (mixed_bfloat16): gathered in float32, cast back after.
         return tf.nest.map_structure(lambda t: tf.cast(t, tf.float32) if t.dtype == tf.bfloat16 else t, outputs)
+
+    def _own_step(self, kind: str, targeted: bool, weighted: bool) -> Callable[..., dict[str, tf.Tensor]]:
+        """The model's own ``train_step``/``test_step`` on this replica; its logs as rows, for the mean over
+        replicas (Keras' reduction of a step's logs under tf.distribute)."""
+        method = getattr(self.model, f"{kind}_step")
+
+        def step(x: Any, y: Any, w: Any) -> dict[str, tf.Tensor]:
+            logs = method(_keras_data(x, y, w, targeted, weighted))
+            if not isinstance(logs, dict):
+                raise TypeError(
+                    f"{type(self.model).__name__}.{kind}_step returned {type(logs).__name__}: it must return a dict "
+                    "of logs, e.g. {m.name: m.result() for m in self.metrics}"
+                )
+            return {name: tf.expand_dims(tf.cast(value, tf.float32), 0) for name, value in logs.items()}
+
+        return step
 
     # -- compiled executions ------------------------------------------------------------------------------------------
     def _updates(self, steps: int) -> tuple[bool, ...]:
@@ -217,23 +295,46 @@ class ReplicaStep:
         """``steps`` training steps ran (the accumulation pattern moves on)."""
         self.updates_done += steps
 
-    def function(self, kind: str, steps: int, weighted: bool) -> StepFunction:
+    def function(self, kind: str, steps: int, weighted: bool, targeted: bool = True) -> StepFunction:
         """A ``tf.function`` that runs ``steps`` steps of ``kind`` ("train", "test", "predict") on the next batches of
-        an iterator (with the user's sample weights when ``weighted``)."""
+        an iterator (with the user's sample weights when ``weighted``; ``targeted``: the user gave targets)."""
         updates = self._updates(steps) if kind == "train" else ()
-        key = (kind, steps, updates, weighted)
+        key = (kind, steps, updates, weighted, targeted)
         if key not in self._functions:
-            self._functions[key] = tf.function(self._execution(kind, steps, updates, weighted))
+            if f"{kind}_step" in self.own_steps and kind != "predict":
+                execution = self._own_execution(kind, steps, targeted, weighted)
+            else:
+                execution = self._execution(kind, steps, updates, weighted, targeted)
+            self._functions[key] = tf.function(execution)
         return self._functions[key]
 
-    def _execution(self, kind: str, steps: int, updates: tuple[bool, ...], weighted: bool) -> StepFunction:
+    def _own_execution(self, kind: str, steps: int, targeted: bool, weighted: bool) -> StepFunction:
+        backend, model = self.backend, self.model
+        step = self._own_step(kind, targeted, weighted)
+
+        def run(iterator: Iterator[Any], stop: tf.Tensor) -> Any:
+            if steps > 1:
+                for _ in tf.range(steps - 1):
+                    backend.run(step, next(iterator))
+            logs = backend.run(step, next(iterator))
+            result = model.get_metrics_result()
+            if set(logs) != set(result):  # the same names: Keras reads the metrics (over every replica) instead
+                result = {name: tf.reduce_mean(backend.gather(value), axis=0) for name, value in logs.items()}
+            return result, tf.reduce_sum(backend.across_workers(stop))
+
+        return run
+
+    def _execution(
+        self, kind: str, steps: int, updates: tuple[bool, ...], weighted: bool, targeted: bool
+    ) -> StepFunction:
         backend = self.backend
         if kind == "predict":
             dtypes = self._output_dtypes  # known before tracing: output_dtypes() ran first
 
             def predict(iterator: Iterator[Any], stop: tf.Tensor) -> Any:
                 del stop
-                outputs = backend.run(self._predict, next(iterator))
+                predict_step = functools.partial(self._predict, targeted=targeted, weighted=weighted)
+                outputs = backend.run(predict_step, next(iterator))
                 gathered = tf.nest.map_structure(backend.gather, outputs)
                 return tf.nest.map_structure(tf.cast, gathered, dtypes)
 
@@ -257,3 +358,17 @@ class ReplicaStep:
             return self.model.get_metrics_result(), tf.reduce_sum(backend.across_workers(stop))
 
         return run
+
+
+def _keras_data(x: Any, y: Any, w: Any, targeted: bool, weighted: bool) -> Any:
+    """A batch as Keras hands it to a model's own step: ``x``, ``(x, y)`` or ``(x, y, sample_weight)``."""
+    return keras.utils.pack_x_y_sample_weight(x, y if targeted else None, w if targeted and weighted else None)
+
+
+def _exact_over_tokens(model: keras.Model, y_pred: Any) -> bool:
+    """Whether the loss can be made the mean over the global batch's real tokens: one output with a Keras mask, a
+    mean-type reduction, and Keras' own ``compute_loss`` (a model's own could weigh the mask in any way)."""
+    if tf.nest.is_nested(y_pred) or keras_mask(y_pred) is None or overrides(model, "compute_loss"):
+        return False
+    loss = model.loss[0] if isinstance(model.loss, (list, tuple)) and len(model.loss) == 1 else model.loss
+    return getattr(loss, "reduction", "sum_over_batch_size") in ("sum_over_batch_size", "mean")

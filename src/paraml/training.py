@@ -98,7 +98,7 @@ class Trainer:
                 break
             if callbacks is not None:
                 getattr(callbacks, f"on_{kind}_batch_begin")(epoch_iterator.step)
-            function = self.step.function(kind, steps, weighted)
+            function = self.step.function(kind, steps, weighted, epoch_iterator.source.targeted)
             stop = tf.constant(float(requested))
             result = epoch_iterator.run(steps, lambda iterator, f=function, s=stop: f(iterator, s))
             if result is None:
@@ -225,7 +225,7 @@ class Trainer:
         batches = EpochIterator(self.backend, source)
         batches.start(0)
         progbar = keras.utils.Progbar(source.steps) if verbose else None
-        function = self.step.function("predict", 1, False)
+        function = self.step.function("predict", 1, False, False)
         no_stop = tf.constant(0.0)
         outputs: list[Any] = []
         while batches.next_size():

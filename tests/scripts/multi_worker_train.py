@@ -10,6 +10,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from own_step import own_step_model  # noqa: E402  (beside this script)
 
 from paraml import Parallel, load_digits  # noqa: E402
 from paraml.demo import digits_model  # noqa: E402
@@ -41,12 +42,19 @@ if args.checkpoint_per_worker:  # storage that is not shared: the chief's dir ha
 history = par.fit(x, y, batch_size=64, epochs=2, verbose=0)
 result = par.evaluate(x_test, y_test, batch_size=100)
 predictions = par.predict(x_test, batch_size=100)
+final = par.model.get_weights()
+par.build(own_step_model, optimizer=keras.optimizers.SGD(0.05))
+own_initial = par.model.get_weights()
+own_history = par.fit(x, x[:, 0, :2], batch_size=64, epochs=2, shuffle=False, verbose=0)
 np.savez(
     os.path.join(args.out, f"worker{par.worker_index}.npz"),
     predictions=predictions,
     loss=history.history["loss"],
     test_accuracy=result["accuracy"],
     **{f"initial{i}": w for i, w in enumerate(initial)},
-    **{f"final{i}": w for i, w in enumerate(par.model.get_weights())},
+    **{f"final{i}": w for i, w in enumerate(final)},
+    own_mse=own_history.history["mse"],
+    **{f"own_initial{i}": w for i, w in enumerate(own_initial)},
+    **{f"own_final{i}": w for i, w in enumerate(par.model.get_weights())},
 )
 print(f"done: test accuracy {result['accuracy']:.3f}", flush=True)

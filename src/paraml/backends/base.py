@@ -8,7 +8,7 @@ callbacks or metrics (the loop knows nothing of devices):
 - **capabilities**, one value: :attr:`Backend.capabilities`, what the loop and the facade may ask of it;
 - **execution**: the scope variables are created under, building the model where its variables belong, turning
   global batches into per-replica ones, running a per-replica function, the reductions, the forward pass and the
-  gradients, and a readable description.
+  loss, and a readable description.
 
 A new backend is a subclass registered by name (:func:`paraml.backends.register`); ``tests/test_backends.py`` trains
 through one written in a few lines.
@@ -32,9 +32,10 @@ __all__ = ["Backend", "Capabilities", "DeviceSpec", "Layout", "Objective", "Topo
 #: What users pass as ``devices=``: None (all), a count, a device name or a sequence of names.
 DeviceSpec = None | int | str | Sequence[str]
 
-#: ``objective(x, y, y_pred, sample_weight) -> scalar``: the loss to differentiate for (a part of) a replica's batch,
-#: already scaled so that the parts of every replica add up to the step's loss; it also updates the loss tracker and
-#: the metrics. Call it right after the forward pass of that part: it reads ``model.losses`` of the latest call.
+#: ``objective(x, y, y_pred, sample_weight) -> loss parts``: the loss of (a part of) a replica's batch as a vector
+#: of sums that add up over micro-batches and replicas (:class:`paraml.replica.ReplicaStep` divides them by the global
+#: counts); it also updates the metrics. Call it right after the forward pass of that part: it reads
+#: ``model.losses`` of the latest call.
 Objective = Callable[[Any, Any, Any, Any], tf.Tensor]
 
 
@@ -112,6 +113,7 @@ class Capabilities:
         loss_scaling_problem: Why Keras' ``LossScaleOptimizer`` (``mixed_float16``) cannot be stepped here, or None.
         grouped_convolution_problem: Why a convolution with ``groups > 1`` (a grouped or depthwise one, as in
             ConvNeXt) cannot run here, or None.
+        own_train_step_problem: Why a model's own ``train_step`` cannot run here (as configured), or None.
     """
 
     skips_empty_replicas: bool = True
@@ -119,6 +121,7 @@ class Capabilities:
     xla_problem: str | None = None
     loss_scaling_problem: str | None = None
     grouped_convolution_problem: str | None = None
+    own_train_step_problem: str | None = None
 
 
 class Backend(abc.ABC):
@@ -126,7 +129,7 @@ class Backend(abc.ABC):
 
     A subclass sets ``option_names`` (the keyword options it accepts; the facade refuses any other before building
     anything), ``capabilities`` when it differs from the default, and :attr:`topology` in ``__init__``; it implements
-    the abstract methods. ``build_model``, ``metrics_scope``, ``forward``, ``loss``, ``gradients``,
+    the abstract methods. ``build_model``, ``metrics_scope``, ``forward``, ``loss``,
     ``across_workers`` and ``describe`` have data-parallel, one-process defaults (the whole model on each replica).
     """
 
@@ -199,21 +202,13 @@ class Backend(abc.ABC):
     def loss(
         self, model: keras.Model, x: Any, y: Any, sample_weight: Any, objective: Objective, training: bool
     ) -> tuple[tf.Tensor, Any]:
-        """The forward pass and ``objective`` on this replica: (the loss, the model's output).
+        """The forward pass and ``objective`` on this replica: (the loss parts, the model's output).
 
         A backend that splits the batch (micro-batches) applies ``objective`` to each part right after that part's
-        forward pass, as it reads the losses the layers added during that call.
+        forward pass, as it reads the losses the layers added during that call, and adds the parts up.
         """
         y_pred = self.forward(model, x, training=training)
         return objective(x, y, y_pred, sample_weight), y_pred
-
-    def gradients(
-        self, model: keras.Model, x: Any, y: Any, sample_weight: tf.Tensor, objective: Objective
-    ) -> tuple[list[tf.Tensor], Any]:
-        """Gradients of ``objective`` with respect to the trainable variables, and the model's output."""
-        with tf.GradientTape() as tape:
-            loss, y_pred = self.loss(model, x, y, sample_weight, objective, training=True)
-        return tape.gradient(loss, model.trainable_variables), y_pred
 
     def describe(self) -> str:
         """A human description of the backend and its devices."""

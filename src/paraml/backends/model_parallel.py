@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from typing import Any
 
 import keras
@@ -38,6 +39,7 @@ import tensorflow as tf
 
 from ..checks import check_int
 from ..devices import device_memory, resolve_devices
+from ..masks import concat_with_masks, keras_masks
 from ..optimizers import optimizer_slots_per_param
 from ..partition import LayerCost, PartitionPlan, Stage, layer_cost, make_plan
 from ..sizes import format_bytes, parse_size
@@ -94,6 +96,12 @@ class ModelParallelBackend(Backend):
         self.device_memory: int | None = None if memory is None else parse_size(memory)
         resolved = resolve_devices(devices)
         self.topology = Topology(resolved, Layout(stages=len(resolved)))  # one copy of the model over the devices
+        if self.micro_batches > 1:
+            self.capabilities = replace(
+                self.capabilities,
+                own_train_step_problem=f"micro_batches={self.micro_batches} pipelines parts of each batch, while a "
+                "model's own train_step takes the whole batch and applies its update itself; use micro_batches=1",
+            )
         self.plan: PartitionPlan | None = None
         #: The final model's units and the device each runs on, in pipeline order.
         self.placement: list[tuple[str, keras.layers.Layer, str]] = []
@@ -227,38 +235,43 @@ class ModelParallelBackend(Backend):
     def _run(
         self, model: keras.Model, parts: list[tuple[Any, ...]], training: bool, objective: Objective | None
     ) -> Any:
-        """Each part through the model (and ``objective``); returns (concatenated outputs, summed loss or None).
+        """Each part through the model (and ``objective``); returns (the joined outputs, the summed loss parts).
 
         A part after the first is empty when the batch has fewer rows than ``micro_batches`` (a short last batch):
         it is skipped (in a ``tf.cond`` when its size is known only at run time), as an empty batch would feed NaN
-        into layers such as BatchNormalization.
+        into layers such as BatchNormalization. The joined outputs keep the parts' Keras masks.
         """
-        outputs, losses = [], []
+        outputs, masks, losses = [], [], []
         for i, (x_part, *rest) in enumerate(parts):
 
-            def step(x_part: Any = x_part, rest: list[Any] = rest) -> tuple[Any, tf.Tensor]:
+            def step(x_part: Any = x_part, rest: list[Any] = rest) -> tuple[Any, list[tf.Tensor], tf.Tensor]:
                 y_pred = model(x_part, training=training)
                 loss = tf.zeros(()) if objective is None else objective(x_part, rest[0], y_pred, rest[1])
-                return y_pred, loss
+                return y_pred, [m for m in keras_masks(y_pred) if m is not None], loss
 
             if i == 0:
-                y_pred, loss = step()
+                y_pred, mask, loss = step()
+                present = [m is not None for m in keras_masks(y_pred)]
             else:
                 first = next(t for t in tf.nest.flatten(x_part) if t is not None)
                 static = first.shape[0]
                 if static == 0:
                     continue
                 if static is None:
-                    empty = tf.nest.map_structure(lambda t: t[:0], outputs[0])
-                    y_pred, loss = tf.cond(
-                        tf.shape(first)[0] > 0, step, lambda empty=empty: (empty, tf.zeros_like(losses[0]))
+                    empty = tf.nest.map_structure(lambda t: t[:0], (outputs[0], masks[0]))
+                    y_pred, mask, loss = tf.cond(
+                        tf.shape(first)[0] > 0, step, lambda empty=empty: (*empty, tf.zeros_like(losses[0]))
                     )
                 else:
-                    y_pred, loss = step()
+                    y_pred, mask, loss = step()
             outputs.append(y_pred)
+            masks.append(mask)
             losses.append(loss)
-        y_pred = outputs[0] if len(outputs) == 1 else _concat(outputs)
-        return y_pred, tf.add_n(losses)
+        if len(outputs) == 1:
+            return outputs[0], losses[0]
+        # A tf.cond's outputs carry no mask: the parts' masks travel beside them, in the order of the outputs.
+        full = [[next(given) if has else None for has in present] for given in map(iter, masks)]
+        return concat_with_masks(outputs, full), tf.add_n(losses)
 
     def forward(self, model: keras.Model, x: Any, training: bool) -> Any:
         return self._run(model, self._parts(x, None, None), training, None)[0]
@@ -293,7 +306,3 @@ def _stage_call(layer: keras.layers.Layer, device: str) -> None:
             return original(*args, **kwargs)
 
     layer.call = call
-
-
-def _concat(outputs: list[Any]) -> Any:
-    return tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *outputs)
