@@ -18,7 +18,9 @@ import keras
 import tensorflow as tf
 
 from .backends.base import Backend
+from .checks import did_you_mean
 from .optimizers import fresh_optimizer
+from .units import nested_layers
 
 __all__ = ["Compiled", "check_compile_names", "compile_model", "decide_xla", "extra_optimizers", "overrides"]
 
@@ -34,6 +36,9 @@ DEFAULT_BUILD_ARGUMENTS: Mapping[str, Any] = {
     "weighted_metrics": None,
     "auto_scale_loss": True,
 }
+
+#: Arguments of ``keras.Model.compile`` that are options of ``Parallel`` (or refused) rather than of ``build``.
+PARALLEL_OPTIONS = ("run_eagerly", "steps_per_execution", "jit_compile")
 
 #: Metric names Keras resolves from the loss and the output (not through ``keras.metrics.get``).
 _KERAS_SPECIAL_METRICS = ("accuracy", "acc", "crossentropy", "ce")
@@ -164,8 +169,10 @@ def _arguments_for(model: keras.Model, compile_args: Mapping[str, Any]) -> dict[
         if open_ended or name in accepted:
             arguments[name] = value
         elif name not in DEFAULT_BUILD_ARGUMENTS or not _is_default(name, value):
+            takes = [k for k in accepted if k not in PARALLEL_OPTIONS]
             raise TypeError(
-                f"{type(model).__name__}.compile() takes no argument {name!r}; it takes: {', '.join(accepted)}"
+                f"build() got an unexpected keyword argument {name!r}{did_you_mean(name, takes)}: "
+                f"{type(model).__name__}.compile() takes {', '.join(takes)}"
             )
     return arguments
 
@@ -185,7 +192,7 @@ def decide_xla(jit_compile: bool | str, backend: Backend, model: keras.Model) ->
         return False, "jit_compile=False: no XLA"
     problem = backend.capabilities.xla_problem
     if problem is None:
-        blocked = [layer.name for layer in _all_layers(model) if not getattr(layer, "supports_jit", True)]
+        blocked = [layer.name for layer in nested_layers(model) if not getattr(layer, "supports_jit", True)]
         if blocked:
             problem = f"layer {blocked[0]!r} does not support XLA (supports_jit=False)"
     if jit_compile is True:
@@ -202,24 +209,9 @@ def decide_xla(jit_compile: bool | str, backend: Backend, model: keras.Model) ->
 def _check_layers(backend: Backend, model: keras.Model) -> None:
     """Refuse, by name, a layer the backend cannot run (before anything is compiled or trained)."""
     problem = backend.capabilities.grouped_convolution_problem
-    grouped = [layer.name for layer in _all_layers(model) if (getattr(layer, "groups", 1) or 1) > 1]
+    grouped = [layer.name for layer in nested_layers(model) if (getattr(layer, "groups", 1) or 1) > 1]
     if problem is not None and grouped:
         raise ValueError(
             f"strategy {backend.name!r} cannot train layer {grouped[0]!r}, a grouped convolution: {problem}. Use "
             "'mirrored' (variables on every device) or 'single'"
         )
-
-
-def _all_layers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
-    """``layer`` and every layer nested in it (through ``layers`` of models and attributes of layers)."""
-    found: list[keras.layers.Layer] = []
-    stack = [layer]
-    while stack:
-        current = stack.pop()
-        if any(current is seen for seen in found):
-            continue
-        found.append(current)
-        children = list(getattr(current, "layers", []) or [])
-        children += [v for v in vars(current).values() if isinstance(v, keras.layers.Layer)]
-        stack.extend(children)
-    return found

@@ -11,6 +11,7 @@ import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,18 +20,20 @@ import keras
 from . import backends
 from .auto import AUTO_OPTIONS, AutoChoice
 from .backends.base import Backend
+from .backends.model_parallel import ModelParallelBackend
 from .checkpoint import Checkpointing, CheckpointState, restore_checkpoint, save_checkpoint
 from .checks import check_int, check_verbose, did_you_mean
 from .compiling import check_compile_names, compile_model, overrides
 from .data import GlobalBatches, global_batches, split_validation, zeros_like_spec
 from .devices import no_gpu_reason
 from .partition import PartitionPlan
+from .remat import recompute_units
 from .training import Trainer
 
 __all__ = ["Parallel"]
 
 #: Options every backend accepts; the backend's own ``option_names`` add to these.
-COMMON_OPTIONS = ("seed", "steps_per_execution", "jit_compile")
+COMMON_OPTIONS = ("seed", "steps_per_execution", "jit_compile", "remat")
 
 Verbose = int | str | bool
 
@@ -51,8 +54,10 @@ class Parallel:
     Options: ``seed`` (initial weights and shuffling; the same seed gives the same weights on every backend),
     ``steps_per_execution`` (steps run per ``tf.function`` call, for small models), ``jit_compile`` (``True``:
     compile each replica's forward pass, loss and gradients with XLA; ``"auto"``: where Keras would, on GPUs, and
-    the backend allows it; ``False``, the default: never; :meth:`explain` says what was chosen), and each backend's
-    own (for example ``parameter_device`` for ``central_storage``).
+    the backend allows it; ``False``, the default: never; :meth:`explain` says what was chosen), ``remat`` (``True``:
+    each unit, a layer that is not a model, recomputes its activations in the backward pass instead of keeping them:
+    less memory, one more forward pass, the same weights; :mod:`paraml.remat`), and each backend's own (for example
+    ``parameter_device`` for ``central_storage``).
 
     >>> import numpy as np, keras
     >>> from paraml import Parallel
@@ -76,6 +81,7 @@ class Parallel:
         seed: int | None = None,
         steps_per_execution: int = 1,
         jit_compile: bool | str = False,
+        remat: bool = False,
         **options: Any,
     ) -> None:
         option_names = AUTO_OPTIONS if strategy == "auto" else backends.get_backend(strategy).option_names
@@ -91,6 +97,10 @@ class Parallel:
         if jit_compile not in (True, False, "auto"):
             raise ValueError(f"jit_compile must be True, False or 'auto', got {jit_compile!r}")
         self.jit_compile = jit_compile
+        if not isinstance(remat, bool):
+            raise ValueError(f"remat must be True or False, got {remat!r}")
+        self.remat = remat
+        self._recomputed: list[str] = []  # the units whose activations are recomputed (remat=True)
         self._xla_reason = "jit_compile=False: no XLA"
         self._trainer: Trainer | None = None
         self._model: keras.Model | None = None
@@ -176,8 +186,6 @@ class Parallel:
     @property
     def plan(self) -> PartitionPlan | None:
         """The stage plan of ``model_parallel`` after :meth:`build` (``None`` for data-parallel strategies)."""
-        from .backends.model_parallel import ModelParallelBackend
-
         return self.backend.plan if isinstance(self.backend, ModelParallelBackend) else None
 
     def explain(self) -> str:
@@ -189,7 +197,10 @@ class Parallel:
         else:
             chosen = f"strategy {self.strategy!r} was chosen by the caller"
         note = self._one_device_note()
-        return chosen + ("\n" + note if note else "") + "\n" + self._xla_reason
+        text = chosen + ("\n" + note if note else "") + "\n" + self._xla_reason
+        if self._recomputed:
+            text += f"\nremat=True: {len(self._recomputed)} units recompute their activations in the backward pass"
+        return text
 
     def describe(self) -> str:
         """A readable description of the backend: its devices and, for ``model_parallel``, the stage table."""
@@ -255,6 +266,11 @@ class Parallel:
                 "with its own train_step trains without one"
             )
         self._model, self._trainer = model, None
+        if self.remat:
+            self._recomputed = recompute_units(model)
+            # TensorFlow cannot differentiate a recomputed unit inside a tf.cond (its backward branch reads the
+            # variables again, which cond_v2 refuses): no replica or micro-batch is skipped in a cond.
+            self.backend.capabilities = replace(self.backend.capabilities, skips_empty_replicas=False)
         if model.weights:
             self._compile(compile_args)
         elif not self.backend.capabilities.builds_on_first_batch:
@@ -425,11 +441,15 @@ class Parallel:
             return
         tail = source.num_samples % source.batch_size
         stateful = [w.path for w in self.model.non_trainable_weights if w.dtype.startswith("float")]
-        if 0 < tail < self.num_replicas and stateful:
+        parts = self.num_replicas
+        if isinstance(self.backend, ModelParallelBackend):
+            parts *= self.backend.micro_batches
+        if 0 < tail < parts and stateful:
             raise ValueError(
-                f"strategy {self.strategy!r}: the last batch has {tail} sample(s) for {self.num_replicas} replicas, so "
-                f"a replica would get none and turn batch statistics ({stateful[0]!r}) into NaN; choose a batch_size "
-                f"that leaves at least {self.num_replicas} samples in the last batch, or drop those samples"
+                f"strategy {self.strategy!r}{' with remat=True' if self.remat else ''}: the last batch has {tail} "
+                f"sample(s) for {parts} replicas or micro-batches, so one would get none and turn batch statistics "
+                f"({stateful[0]!r}) into NaN; choose a batch_size that leaves at least {parts} samples in the last "
+                "batch, or drop those samples"
             )
 
     def evaluate(

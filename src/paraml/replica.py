@@ -170,7 +170,7 @@ class ReplicaStep:
         if self._output_dtypes is None:
             x = zeros_like_spec(source.dataset(0).element_spec)[0]
             with self.backend.scope():
-                outputs = self._predict(x, None, None, False, False)
+                outputs = self._outputs(x, None, None, False, False)
             self._output_dtypes = tf.nest.map_structure(lambda t: t.dtype, outputs)
         return self._output_dtypes
 
@@ -259,11 +259,13 @@ class ReplicaStep:
         rows = tf.cast(_rows(x), tf.float32)
         self._combine(parts, rows, self.backend.all_reduce_sum(rows))
 
-    def _predict(self, x: Any, y: Any, w: Any, targeted: bool, weighted: bool) -> Any:
+    def _outputs(self, x: Any, y: Any, w: Any, targeted: bool, weighted: bool) -> Any:
         if "predict_step" in self.own_steps:
-            outputs = self.model.predict_step(_keras_data(x, y, w, targeted, weighted))
-        else:
-            outputs = self.backend.forward(self.model, x, training=False)
+            return self.model.predict_step(_keras_data(x, y, w, targeted, weighted))
+        return self.backend.forward(self.model, x, training=False)
+
+    def _predict(self, x: Any, y: Any, w: Any, targeted: bool, weighted: bool) -> Any:
+        outputs = self._outputs(x, y, w, targeted, weighted)
         # TF's collectives refuse bfloat16 (mixed_bfloat16): gathered in float32, cast back after.
         return tf.nest.map_structure(lambda t: tf.cast(t, tf.float32) if t.dtype == tf.bfloat16 else t, outputs)
 

@@ -34,6 +34,7 @@ __all__ = [
     "Unit",
     "build_on_host",
     "model_units",
+    "nested_layers",
     "observation_notes",
     "observe_units",
     "probe_inputs",
@@ -158,6 +159,23 @@ def model_units(model: Any) -> list[tuple[str, Any]]:
         used.add(candidate)
         names.append(candidate)
     return [(name, layer) for name, (_, layer) in zip(names, found)]
+
+
+def nested_layers(layer: Any) -> list[Any]:
+    """``layer`` and every layer nested in it (through ``layers`` of models and attributes of layers), each once."""
+    import keras
+
+    found: list[Any] = []
+    stack = [layer]
+    while stack:
+        current = stack.pop()
+        if any(current is seen for seen in found):
+            continue
+        found.append(current)
+        children = list(getattr(current, "layers", []) or [])
+        children += [v for v in vars(current).values() if isinstance(v, keras.layers.Layer)]
+        stack.extend(children)
+    return found
 
 
 def _tensor_bytes(value: Any, rows: int = 1) -> int:

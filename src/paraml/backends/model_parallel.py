@@ -257,7 +257,7 @@ class ModelParallelBackend(Backend):
                 static = first.shape[0]
                 if static == 0:
                     continue
-                if static is None:
+                if static is None and self.capabilities.skips_empty_replicas:
                     empty = tf.nest.map_structure(lambda t: t[:0], (outputs[0], masks[0]))
                     y_pred, mask, loss = tf.cond(
                         tf.shape(first)[0] > 0, step, lambda empty=empty: (*empty, tf.zeros_like(losses[0]))
