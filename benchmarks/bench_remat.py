@@ -108,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
             par = Parallel("single", seed=0, remat=remat)
             par.build(model_fn, optimizer="adam", loss=loss)
             par.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=1, verbose=0)  # traced before timing
-            fits[f"remat={remat}"] = lambda p=par, x=x, y=y, b=batch: p.fit(
-                x, y, batch_size=b, epochs=1, steps_per_epoch=2, verbose=0
-            ) and None  # a window's wall time is what interleave records
+            fits[f"remat={remat}"] = lambda p=par, x=x, y=y, b=batch: (
+                p.fit(x, y, batch_size=b, epochs=1, steps_per_epoch=2, verbose=0) and None
+            )  # a window's wall time is what interleave records
         times = interleave(fits, args.windows)
         slower = paired(times["remat=True"]["wall_s"], times["remat=False"]["wall_s"])
         ratio = peaks[True]["peak_mb"] / peaks[False]["peak_mb"]
