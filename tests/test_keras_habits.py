@@ -223,7 +223,10 @@ def test_a_gans_checkpoint_holds_both_optimizers_and_resumes_exactly(tmp_path):
 
 
 def test_an_argument_the_models_compile_does_not_take_is_named():
-    with pytest.raises(TypeError, match=r"argument 'loss': GAN.compile\(\) takes d_optimizer, g_optimizer, loss_fn"):
+    with pytest.raises(
+        TypeError,
+        match=r"argument 'loss' \(did you mean 'loss_fn'\?\): GAN.compile\(\) takes d_optimizer, g_optimizer, loss_fn",
+    ):
         Parallel("single").build(make_gan, loss="mse", **GAN_COMPILE)
 
 

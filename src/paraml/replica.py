@@ -96,7 +96,8 @@ class ReplicaStep:
                     for v in model.trainable_variables
                 ]
         self.jit_compile = jit_compile
-        self._xla_parts = tf.function(self._parts, jit_compile=True)
+        self._xla_gradients = tf.function(self._replica_gradients, jit_compile=True)
+        self._xla_parts = tf.function(self._parts, jit_compile=True)  # a masked loss: its gradient is taken outside
         self._functions: dict[tuple[str, int, tuple[bool, ...], bool, bool], StepFunction] = {}
         self._scalar_loss = False  # whether a compiled loss function returns one value for the batch
         self._masked = False  # whether the loss is the mean over a masked output's real tokens
@@ -211,21 +212,66 @@ class ReplicaStep:
         return loss
 
     def _parts(self, x: Any, y: Any, w: Any, weighted: bool) -> tf.Tensor:
-        """Forward pass and loss parts of this replica (what ``jit_compile=True`` compiles with XLA)."""
+        """Forward pass and loss parts of this replica."""
         return self.backend.loss(self.model, x, y, w, self._objective(True, weighted), training=True)[0]
 
+    def _replica_gradients(
+        self, x: Any, y: Any, w: Any, rows: tf.Tensor, global_rows: tf.Tensor, weighted: bool
+    ) -> list[Any]:
+        """Forward pass, loss and gradients of this replica (what ``jit_compile=True`` compiles with XLA)."""
+        with tf.GradientTape() as tape:
+            loss = self._combine(self._parts(x, y, w, weighted), rows, global_rows)
+            loss = self.optimizer.scale_loss(loss)
+        grads = tape.gradient(loss, self.model.trainable_variables)
+        return [tf.zeros_like(v) if g is None else g for g, v in zip(grads, self.model.trainable_variables)]
+
     def _gradients(self, x: Any, y: Any, w: Any, rows: tf.Tensor, global_rows: tf.Tensor, weighted: bool) -> list[Any]:
-        """This replica's gradients (zeros for a replica the last batch left empty)."""
+        """This replica's gradients; zeros (of the same kinds) for a replica the last batch left empty."""
+        rows = tf.cast(rows, tf.float32)
+        skip_empty = self.backend.capabilities.skips_empty_replicas  # a sync point in the forward pass forbids cond
+        if self._masked:
+            return self._masked_gradients(x, y, w, rows, global_rows, weighted, skip_empty)
+        variables = self.model.trainable_variables
+        kinds: list[Any] = []
+
+        def compute() -> list[Any]:
+            gradients = self._xla_gradients if self.jit_compile else self._replica_gradients
+            grads = gradients(x, y, w, rows, global_rows, weighted)
+            kinds[:] = grads
+            return grads
+
+        def nothing() -> list[Any]:
+            # Sparse gradients (an Embedding's IndexedSlices) stay sparse: the other branch must match their kind.
+            return [
+                tf.IndexedSlices(
+                    tf.zeros([0, *g.values.shape[1:]], g.values.dtype),
+                    tf.zeros([0], g.indices.dtype),
+                    tf.constant(list(v.shape), g.dense_shape.dtype),
+                )
+                if isinstance(g, tf.IndexedSlices)
+                else tf.zeros_like(v)
+                for g, v in zip(kinds, variables)
+            ]
+
+        if not skip_empty:
+            return compute()
+        # Running the model on no rows would feed NaN into layers such as BatchNormalization.
+        return tf.cond(rows > 0, compute, nothing)
+
+    def _masked_gradients(
+        self, x: Any, y: Any, w: Any, rows: tf.Tensor, global_rows: tf.Tensor, weighted: bool, skip_empty: bool
+    ) -> list[Any]:
+        """The gradients of a loss over the global batch's real tokens: their count is all-reduced between the forward
+        pass and the gradient, on every replica, so the tape spans the ``cond`` that holds the forward pass only
+        (MirroredStrategy refuses a collective inside a ``cond``, and XLA one inside a compiled function)."""
         variables = self.model.trainable_variables
         parts = self._xla_parts if self.jit_compile else self._parts
         with tf.GradientTape() as tape:
-            if self.backend.capabilities.skips_empty_replicas:
-                # Running the model on no rows would feed NaN into layers such as BatchNormalization. The cond holds
-                # the forward pass only: the all-reduce of _combine must run on every replica, outside any cond.
+            if skip_empty:
                 summed = tf.cond(rows > 0, lambda: parts(x, y, w, weighted), lambda: tf.zeros([LOSS_PARTS]))
-            else:  # a sync point in the forward pass forbids cond
+            else:
                 summed = parts(x, y, w, weighted)
-            loss = self.optimizer.scale_loss(self._combine(summed, tf.cast(rows, tf.float32), global_rows))
+            loss = self.optimizer.scale_loss(self._combine(summed, rows, global_rows))
         grads = tape.gradient(loss, variables)
         return [tf.zeros_like(v) if g is None else g for g, v in zip(grads, variables)]
 
