@@ -44,8 +44,8 @@ def train(strategy, devices, model_fn, remat, **options):
 
 @pytest.mark.parametrize(
     "strategy, devices, options",
-    [("mirrored", 2, {}), ("model_parallel", 2, {"micro_batches": 2})],  # single: the transformer test below
-    ids=["mirrored", "model_parallel"],
+    [("mirrored", 2, {}), ("central_storage", 2, {}), ("model_parallel", 2, {"micro_batches": 2})],
+    ids=["mirrored", "central_storage", "model_parallel"],  # single: the transformer test below
 )
 def test_remat_keeps_the_weights_with_dropout_and_batch_statistics(strategy, devices, options):
     _, plain_loss, plain = train(strategy, devices, noisy_mlp, False, **options)

@@ -232,7 +232,7 @@ class ReplicaStep:
         if self._masked:
             return self._masked_gradients(x, y, w, rows, global_rows, weighted, skip_empty)
         variables = self.model.trainable_variables
-        kinds: list[Any] = []
+        kinds = list[Any]()  # no annotation: autograph cannot convert an annotated name used in a closure
 
         def compute() -> list[Any]:
             gradients = self._xla_gradients if self.jit_compile else self._replica_gradients
