@@ -28,8 +28,8 @@ def run(tmp_path, name, strategy, devices, ckpt, *extra):
 
 @pytest.mark.parametrize(
     "strategy, devices, extra",
-    [("single", 1, ()), ("mirrored", 2, ("--dataset",))],  # arrays under mirrored: test_checkpoint's resume tests
-    ids=["single", "mirrored-tf.data"],
+    [("mirrored", 2, ("--dataset",))],  # arrays, single and mirrored: test_checkpoint's in-process resume tests
+    ids=["mirrored-tf.data"],
 )
 def test_sigterm_saves_and_the_rerun_ends_with_the_uninterrupted_weights(tmp_path, strategy, devices, extra):
     reference, ref_steps, ref_out = run(tmp_path, "reference", strategy, devices, tmp_path / "ref-ckpt", *extra)
