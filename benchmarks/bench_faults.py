@@ -30,6 +30,8 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +44,48 @@ WORKER = ROOT / "tests" / "scripts" / "restart_train.py"
 TOLERANCE = 1e-5
 
 
+class EventClock:
+    """Stamps each line the workers append to ``events.jsonl`` with the time it appeared (polled every
+    ``POLL_S``): the benchmark keeps the clock, so the worker script (a test script too) reads none."""
+
+    POLL_S = 0.005
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.stamps = path, []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.poll, daemon=True)
+        self.thread.start()
+
+    def poll(self) -> None:
+        while not self.done.is_set():
+            self.stamp_new_lines()
+            time.sleep(self.POLL_S)
+
+    def stamp_new_lines(self) -> None:
+        if self.path.exists():
+            lines = self.path.read_text().count("\n")
+            self.stamps += [time.perf_counter()] * (lines - len(self.stamps))
+
+    def stop(self) -> list[float]:
+        """Stop polling; one stamp per line (lines that came after the last poll get the time the job ended)."""
+        self.done.set()
+        self.thread.join()
+        self.stamp_new_lines()
+        return self.stamps
+
+
 def run_job(out: Path, launch_args: list[str], script_args: list[str], timeout: float) -> dict[str, Any]:
-    """One ``paraml launch -n 2`` job; returns its exit code, wall time, events and output."""
+    """One ``paraml launch -n 2`` job; returns its exit code, wall time, events (each with ``t``, when it appeared)
+    and output."""
     out.mkdir(parents=True)
     command = [sys.executable, "-m", "paraml", "launch", "-n", "2", *launch_args, str(WORKER), str(out), *script_args]
-    done = run_process(command, timeout)
     events_file = out / "events.jsonl"
+    clock = EventClock(events_file)
+    done = run_process(command, timeout)
+    stamps = clock.stop()
     events = [json.loads(line) for line in events_file.read_text().splitlines()] if events_file.exists() else []
+    for event, stamp in zip(events, stamps):
+        event["t"] = stamp
     return {"code": done.code, "wall": done.seconds, "events": events, "stdout": done.stdout, "stderr": done.stderr}
 
 
@@ -110,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="paraml-bench-faults-"))
     launch_common = ["--stop-timeout", str(args.stop_timeout)]
-    script_common = ["--clock", "--epochs", str(args.epochs), "--checkpoint-every", str(args.checkpoint_every)]
+    script_common = ["--epochs", str(args.epochs), "--checkpoint-every", str(args.checkpoint_every)]
     try:
         reference = run_job(root / "reference", launch_common, script_common, args.timeout)
         if reference["code"] != 0:

@@ -222,8 +222,7 @@ class ReplicaStep:
         with tf.GradientTape() as tape:
             loss = self._combine(self._parts(x, y, w, weighted), rows, global_rows)
             loss = self.optimizer.scale_loss(loss)
-        grads = tape.gradient(loss, self.model.trainable_variables)
-        return [tf.zeros_like(v) if g is None else g for g, v in zip(grads, self.model.trainable_variables)]
+        return _gradients_or_zeros(tape, loss, self.model.trainable_variables)
 
     def _gradients(self, x: Any, y: Any, w: Any, rows: tf.Tensor, global_rows: tf.Tensor, weighted: bool) -> list[Any]:
         """This replica's gradients; zeros (of the same kinds) for a replica the last batch left empty."""
@@ -264,7 +263,6 @@ class ReplicaStep:
         """The gradients of a loss over the global batch's real tokens: their count is all-reduced between the forward
         pass and the gradient, on every replica, so the tape spans the ``cond`` that holds the forward pass only
         (MirroredStrategy refuses a collective inside a ``cond``, and XLA one inside a compiled function)."""
-        variables = self.model.trainable_variables
         parts = self._xla_parts if self.jit_compile else self._parts
         with tf.GradientTape() as tape:
             if skip_empty:
@@ -272,8 +270,7 @@ class ReplicaStep:
             else:
                 summed = parts(x, y, w, weighted)
             loss = self.optimizer.scale_loss(self._combine(summed, rows, global_rows))
-        grads = tape.gradient(loss, variables)
-        return [tf.zeros_like(v) if g is None else g for g, v in zip(grads, variables)]
+        return _gradients_or_zeros(tape, loss, self.model.trainable_variables)
 
     def _train(self, x: Any, y: Any, w: Any, *, update: bool, weighted: bool) -> None:
         """One training step on this replica. With gradient accumulation, ``update`` says whether this step applies
@@ -406,6 +403,12 @@ class ReplicaStep:
             return self.model.get_metrics_result(), tf.reduce_sum(backend.across_workers(stop))
 
         return run
+
+
+def _gradients_or_zeros(tape: tf.GradientTape, loss: tf.Tensor, variables: list[Any]) -> list[Any]:
+    """``loss``'s gradients, zeros for a variable it does not reach (the optimizer takes no None)."""
+    grads = tape.gradient(loss, variables)
+    return [tf.zeros_like(v) if g is None else g for g, v in zip(grads, variables)]
 
 
 def _keras_data(x: Any, y: Any, w: Any, targeted: bool, weighted: bool) -> Any:

@@ -6,7 +6,8 @@ Usage: restart_train.py OUT_DIR [--epochs E] [--checkpoint-every N] [--kill REST
 - ``--kill R:W:S``: on run R (``PARAML_RESTART`` == R), worker W SIGKILLs itself right after global step S
   (counted from the start of training over all epochs, 1-based). Several may be given.
 - Writes ``OUT_DIR/pid-r{R}-w{W}`` (its PID), appends events to ``OUT_DIR/events.jsonl`` (start, first step, kill,
-  done, with global steps; wall-clock times with ``--clock``); the chief saves the final weights to
+  done, with global steps; ``benchmarks/bench_faults.py`` times them as they arrive); the chief saves the final
+  weights to
   ``OUT_DIR/weights.npz``.
 """
 
@@ -14,7 +15,6 @@ import argparse
 import json
 import os
 import signal
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -23,7 +23,6 @@ parser.add_argument("out")
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--checkpoint-every", type=int, default=None)
 parser.add_argument("--kill", action="append", default=[], help="RESTART:WORKER:STEP")
-parser.add_argument("--clock", action="store_true", help="stamp events with wall-clock time (benchmarks only)")
 args = parser.parse_args()
 
 RESTART = int(os.environ.get("PARAML_RESTART", "0"))
@@ -31,8 +30,6 @@ INDEX = int(os.environ["PARAML_WORKER_INDEX"])
 
 
 def event(name: str, **fields: object) -> None:
-    if args.clock:  # benchmarks/bench_faults.py measures the time lost per restart from these stamps
-        fields["t"] = time.time()
     line = json.dumps({"event": name, "restart": RESTART, "worker": INDEX, **fields})
     with open(os.path.join(args.out, "events.jsonl"), "a") as file:  # one short O_APPEND write: no interleaving
         file.write(line + "\n")
