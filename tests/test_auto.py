@@ -62,6 +62,41 @@ def test_a_model_that_fits_picks_mirrored():
     assert "fits on one device" in par.explain() and "2.00 GiB" in par.explain()
 
 
+def deep_gelu():
+    layers = [keras.layers.Dense(64, activation="gelu") for _ in range(6)]
+    return keras.Sequential([keras.Input((16,)), *layers, keras.layers.Dense(2)])
+
+
+def test_remat_when_only_recompute_makes_the_model_fit_one_device():
+    import numpy as np
+
+    from paraml import estimate_memory
+
+    plain = estimate_memory(deep_gelu(), batch_size=64, optimizer="sgd").total
+    recomputed = estimate_memory(deep_gelu(), batch_size=64, optimizer="sgd", remat=True).total
+    assert recomputed < plain  # GELU keeps four tensors of its size; recomputed, a unit keeps its input
+    budget = (plain + recomputed) // 2
+    assert decide(num_workers=1, num_devices=2, estimate=estimate(plain), device_memory=budget).strategy == (
+        "model_parallel"
+    )
+    x = np.random.default_rng(0).normal(size=(128, 16)).astype("float32")
+    y = np.arange(128) % 2
+    pars = {
+        "single": Parallel("single", seed=1),
+        "auto": Parallel("auto", devices=2, seed=1, device_memory=budget, batch_size=64),
+    }
+    for name in pars:
+        pars[name].build(deep_gelu, optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        pars[name].fit(x, y, batch_size=64, epochs=1, verbose=0)
+    par = pars["auto"]
+    assert par.strategy == "mirrored" and par.remat
+    text = par.explain()
+    assert "with remat=True" in text and "only with its activations recomputed" in text, text
+    assert "remat=True: 7 units recompute" in text
+    for got, want in zip(par.model.get_weights(), pars["single"].model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_one_device_picks_single():
     par = Parallel("auto", devices=1)
     par.build(wide, optimizer="adam", loss="mse")
@@ -111,7 +146,7 @@ def text_classifier():
     "strategy, options, chosen",
     [
         ("model_parallel", {}, "model_parallel"),
-        ("auto", {"device_memory": "4KiB"}, "model_parallel"),
+        ("auto", {"device_memory": "2.5KiB"}, "model_parallel"),
         ("auto", {"device_memory": "1GiB"}, "mirrored"),
     ],
 )

@@ -61,14 +61,17 @@ def test_estimate_prints_the_breakdown(tmp_path):
     )
     done = paraml("estimate", f"{module}:make", "--batch-size", "2", "--optimizer", "adam")
     assert done.returncode == 0, done.stderr
-    # Dense(4->3): 15 parameters x 4 bytes; Adam keeps 2 slots; output 2 x 3 x 4 bytes
+    # Dense(4->3): 15 parameters x 4 bytes; Adam keeps 2 slots; the batch 2 x 4 and the output 2 x 3, x 4 bytes
     for category, value in [
         ("parameters", "60"),
         ("gradients", "60"),
         ("optimizer slots", "120"),
-        ("activations", "24"),
+        ("activations", "56"),
     ]:
         assert any(line.startswith(category) and f" {value} " in f"{line} " for line in done.stdout.splitlines())
+    recomputed = paraml("estimate", f"{module}:make", "--batch-size", "2", "--remat")
+    assert recomputed.returncode == 0, recomputed.stderr
+    assert "activations" in recomputed.stdout
 
 
 @pytest.mark.parametrize(

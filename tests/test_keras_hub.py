@@ -59,3 +59,17 @@ def test_keras_hub_backbones_with_dropout_train(make, strategy, devices):
     batch = {k: v[:4] for k, v in x.items()}
     assert np.max(np.abs(np.asarray(model(batch, training=True)) - np.asarray(model(batch, training=True)))) > 0
     np.testing.assert_allclose(par.predict(batch), np.asarray(model(batch, training=False)), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("make", [bert_classifier, gpt2_classifier], ids=["bert", "gpt2"])
+def test_model_parallel_spreads_the_transformer_blocks_by_their_measured_activations(make):
+    x, _ = inputs(make is bert_classifier)
+    par = Parallel("model_parallel", devices=2, batch_size=48, sample=x)
+    par.build(make, optimizer="adam", loss="sparse_categorical_crossentropy")
+    stages = par.plan.stages
+    blocks = [[name for name in stage.layers if name.startswith("transformer_layer")] for stage in stages]
+    assert all(blocks), f"a stage without a transformer block: {blocks}"
+    total = sum(stage.peak_bytes for stage in stages)
+    shares = [stage.peak_bytes / total for stage in stages]
+    assert all(0.4 <= share <= 0.6 for share in shares), shares
+    assert all(stage.activation_bytes > stage.param_bytes for stage in stages)  # a block keeps more than it weighs

@@ -319,19 +319,24 @@ def test_slot_fallback_uses_slots_per_param() -> None:
 
 def test_dense_activations() -> None:
     est = estimate_memory(_dense_model(), batch_size=5)
-    assert est.activations == 5 * 3 * F32 + 5 * 2 * F32
+    # A Dense's gradient reads its input, not its output: d1's output is kept for d2's kernel gradient, counted with
+    # d1 (which made it); the batch and the model's outputs (the loss reads them) are counted besides.
+    assert est.activations == 5 * 4 * F32 + 5 * 3 * F32 + 5 * 2 * F32
     assert est.batch_size == 5
     assert est.per_layer == (
         ("d1", (4 * 3 + 3) * F32, 5 * 3 * F32),
-        ("d2", (3 * 2 + 2) * F32, 5 * 2 * F32),
+        ("d2", (3 * 2 + 2) * F32, 0),
     )
 
 
 def test_conv_and_embedding_activations() -> None:
     conv = estimate_memory(_conv_model(), batch_size=2)
-    assert conv.activations == 2 * (6 * 6 * 2 + 72 + 1) * F32
+    # the batch, Flatten's output (read by the Dense's kernel gradient) and the outputs
+    assert conv.activations == 2 * (8 * 8 + 72 + 1) * F32  # Flatten's output is the conv's buffer, reshaped
     emb = estimate_memory(_embedding_model(), batch_size=3)
-    assert emb.activations == 3 * (5 * 4 + 4 + 1) * F32
+    per_layer = {name: activations for name, _, activations in emb.per_layer}
+    # the lookup's gradient reads the token ids (int32), the Dense's its input (the pooled rows)
+    assert per_layer == {"emb": 3 * 5 * 4, "pool": 3 * 4 * F32, "out": 0}
 
 
 def test_non_trainable_variables_count_as_parameters_only() -> None:
@@ -349,7 +354,8 @@ def test_float16_variables_use_two_bytes() -> None:
     est = estimate_memory(model, batch_size=2, optimizer="adam")
     assert est.parameters == (4 * 3 + 3) * 2
     assert est.optimizer_slots == 2 * (4 * 3 + 3) * 2  # slots follow the variable dtype
-    assert est.activations == 2 * 3 * 2
+    # the float32 batch, its float16 copy (read by the kernel's gradient) and the float16 outputs
+    assert est.activations == 2 * 4 * F32 + 2 * 4 * 2 + 2 * 3 * 2
 
 
 def test_estimate_accepts_model_fn() -> None:
@@ -423,10 +429,15 @@ def test_units_descend_into_nested_models_and_count_a_shared_layer_once() -> Non
 
 def test_unknown_dimensions_are_probed_and_noted() -> None:
     inputs = keras.Input((None, 4))
-    model = keras.Model(inputs, keras.layers.Dense(2, name="d")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2, activation="tanh", name="d")(inputs))
     est = estimate_memory(model, batch_size=1)
-    assert est.per_layer == (("d", (4 * 2 + 2) * F32, 8 * 2 * F32),)
+    # tanh's output, and the input as Keras' tensordot transposes it for the kernel's gradient
+    assert est.per_layer == (("d", (4 * 2 + 2) * F32, 8 * (2 + 4) * F32),)
     assert "set to 8" in est.note
+    sample = np.ones((1, 5, 4), "float32")
+    given = estimate_memory(model, batch_size=3, sample=sample)
+    assert given.per_layer == (("d", (4 * 2 + 2) * F32, 3 * 5 * (2 + 4) * F32),)
+    assert "set to" not in given.note
 
 
 def test_estimate_errors() -> None:
@@ -475,12 +486,12 @@ def test_memory_estimate_total() -> None:
 def test_layer_costs_feed_the_planner() -> None:
     costs = layer_costs(_conv_model, batch_size=2)
     assert costs == [
-        LayerCost("conv", (3 * 3 * 1 * 2 + 2) * F32, 2 * 6 * 6 * 2 * F32),
-        LayerCost("flat", 0, 2 * 72 * F32),
-        LayerCost("out", (72 + 1) * F32, 2 * 1 * F32),
+        LayerCost("conv", (3 * 3 * 1 * 2 + 2) * F32, 2 * 6 * 6 * 2 * F32),  # Flatten reshapes this buffer
+        LayerCost("flat", 0, 0),
+        LayerCost("out", (72 + 1) * F32, 0),
     ]
     plan = plan_balanced(costs, 2, slots_per_param=optimizer_slots_per_param("adam"))
-    assert [s.layers for s in plan.stages] == [("conv", "flat"), ("out",)]
+    assert [s.layers for s in plan.stages] == [("conv",), ("flat", "out")]
 
 
 def test_layer_costs_skip_input_layers_of_functional_models() -> None:
@@ -503,9 +514,9 @@ def test_unit_costs_scale_to_the_batch_and_match_the_estimate() -> None:
     observation = observe_units(model)
     costs = unit_costs(observation, 4)
     assert costs == [
-        LayerCost("conv", (3 * 3 * 1 * 2 + 2) * F32, 4 * 6 * 6 * 2 * F32),
-        LayerCost("flat", 0, 4 * 72 * F32),
-        LayerCost("out", (72 + 1) * F32, 4 * 1 * F32),
+        LayerCost("conv", (3 * 3 * 1 * 2 + 2) * F32, 4 * 6 * 6 * 2 * F32),  # Flatten reshapes this buffer
+        LayerCost("flat", 0, 0),
+        LayerCost("out", (72 + 1) * F32, 0),
     ]
     est = estimate_memory(model, batch_size=4)
     assert est.per_layer == tuple((c.name, c.param_bytes, c.activation_bytes) for c in costs)

@@ -1,6 +1,6 @@
 """remat=True: every unit recomputes its activations in the backward pass, on every backend, with the same weights.
 
-What it saves is measured in benchmarks/bench_remat.py (the allocator's peak, one configuration per process)."""
+What it saves is measured in benchmarks/bench_memory.py (the allocator's peak, one configuration per process)."""
 
 import keras
 import keras_hub

@@ -5,8 +5,10 @@ The rule, in order:
 1. ``TF_CONFIG`` describes a cluster of more than one worker -> ``multi_worker`` (decided at once: that strategy
    must exist at program start);
 2. more than one device, and the estimated training memory fits on one device -> ``mirrored``;
-3. more than one device (the model does not fit on one) -> ``model_parallel`` with a balanced partition;
-4. otherwise -> ``single``.
+3. more than one device, and the model fits on one device only when its activations are recomputed
+   (``estimate_memory(..., remat=True)``) -> ``mirrored`` with ``remat=True``;
+4. more than one device (the model does not fit on one) -> ``model_parallel`` with a balanced partition;
+5. otherwise -> ``single`` (with ``remat=True`` when one device's known memory needs it).
 
 Device memory comes from TensorFlow where it can tell (GPUs), else from the ``device_memory`` option
 (``"2GiB"``, ``"512MB"`` or bytes). Unknown memory counts as "fits": data parallelism is the faster default.
@@ -33,7 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["AUTO_OPTIONS", "AutoChoice", "AutoDecision", "decide"]
 
 #: Options of ``Parallel("auto")``: its own, and those it passes to ``model_parallel`` if it picks it.
-AUTO_OPTIONS = ("device_memory", "batch_size", "partition", "micro_batches")
+AUTO_OPTIONS = ("device_memory", "batch_size", "sample", "partition", "micro_batches")
 
 
 @dataclass(frozen=True)
@@ -45,45 +47,75 @@ class AutoDecision:
     num_devices: int
     estimate: MemoryEstimate | None
     device_memory: int | None
+    remat_estimate: MemoryEstimate | None = None
+    remat: bool = False
 
     def explain(self) -> str:
         """Why this strategy, with the numbers that decided it."""
         if self.strategy == "multi_worker":
             return f"chose 'multi_worker': TF_CONFIG describes a cluster of {self.num_workers} workers"
-        if self.num_devices <= 1:
-            return "chose 'single': one device is available"
-        need = f"estimated training memory {format_bytes(self.estimate.total)}" if self.estimate else "memory unknown"
-        if self.estimate is not None:
-            e = self.estimate
-            parts = [("parameters", e.parameters), ("gradients", e.gradients), ("optimizer slots", e.optimizer_slots)]
-            parts.append((f"activations for batch {e.batch_size}", e.activations))
-            need += " (" + ", ".join(f"{name} {format_bytes(size)}" for name, size in parts) + ")"
         have = (
             f"device memory {format_bytes(self.device_memory)}"
             if self.device_memory is not None
             else "device memory unknown (pass device_memory='16GiB' to decide by it)"
         )
+        if self.num_devices <= 1 and not self.remat:
+            return "chose 'single': one device is available"
+        need = _needs(self.estimate)
+        if self.remat:
+            assert self.remat_estimate is not None
+            where = "one device is available" if self.num_devices <= 1 else f"on {self.num_devices} devices"
+            return (
+                f"chose {self.strategy!r} with remat=True ({where}): the model fits on one device only with its "
+                f"activations recomputed: {_needs(self.remat_estimate)} <= {have}; without recompute, {need}"
+            )
         if self.strategy == "mirrored":
             return f"chose 'mirrored' on {self.num_devices} devices: the model fits on one device: {need}; {have}"
+        more = "" if self.remat_estimate is None else f", or with remat=True {format_bytes(self.remat_estimate.total)}"
         return (
             f"chose 'model_parallel' on {self.num_devices} devices: the model does not fit on one device: "
-            f"{need} > {have}"
+            f"{need}{more} > {have}"
         )
 
 
+def _needs(estimate: MemoryEstimate | None) -> str:
+    if estimate is None:
+        return "memory unknown"
+    parts = [
+        ("parameters", estimate.parameters),
+        ("gradients", estimate.gradients),
+        ("optimizer slots", estimate.optimizer_slots),
+        (f"activations for batch {estimate.batch_size}", estimate.activations),
+    ]
+    listed = ", ".join(f"{name} {format_bytes(size)}" for name, size in parts)
+    return f"estimated training memory {format_bytes(estimate.total)} ({listed})"
+
+
 def decide(
-    *, num_workers: int, num_devices: int, estimate: MemoryEstimate | None, device_memory: int | None
+    *,
+    num_workers: int,
+    num_devices: int,
+    estimate: MemoryEstimate | None,
+    device_memory: int | None,
+    remat_estimate: MemoryEstimate | None = None,
 ) -> AutoDecision:
-    """Apply the rule of this module (pure: no TensorFlow, so each branch is testable on its own)."""
+    """Apply the rule of this module (pure: no TensorFlow, so each branch is testable on its own).
+
+    ``remat_estimate`` is the estimate with recompute (given when ``estimate`` does not fit): if it fits, the model
+    trains data-parallel (or on its one device) with ``remat=True``.
+    """
+    fits = estimate is None or device_memory is None or estimate.total <= device_memory
+    fits_with_remat = not fits and remat_estimate is not None and remat_estimate.total <= device_memory  # type: ignore[operator]
     if num_workers > 1:
         strategy = "multi_worker"
     elif num_devices <= 1:
         strategy = "single"
-    elif estimate is None or device_memory is None or estimate.total <= device_memory:
+    elif fits or fits_with_remat:
         strategy = "mirrored"
     else:
         strategy = "model_parallel"
-    return AutoDecision(strategy, num_workers, num_devices, estimate, device_memory)
+    remat = strategy != "multi_worker" and fits_with_remat
+    return AutoDecision(strategy, num_workers, num_devices, estimate, device_memory, remat_estimate, remat)
 
 
 class AutoChoice:
@@ -113,9 +145,12 @@ class AutoChoice:
 
         return resolve_devices(self.devices)
 
-    def choose(self, model_fn: Callable[[], keras.Model], optimizer: Any) -> tuple[Backend, HostModel | None]:
+    def choose(
+        self, model_fn: Callable[[], keras.Model], optimizer: Any, remat: bool = False
+    ) -> tuple[Backend, HostModel | None]:
         """Measure the model, apply :func:`decide`, create the chosen backend; return it and the host build of the
-        model when one was made (for the backend's ``build_model``)."""
+        model when one was made (for the backend's ``build_model``). With ``remat`` (the user's), the model is
+        measured with recompute; else recompute is measured when the model does not fit without it."""
         from . import backends
         from .devices import device_memory
         from .memory import estimate_memory
@@ -125,11 +160,20 @@ class AutoChoice:
         memory = self.options.get("device_memory")
         if memory is None:
             memory = device_memory(devices[0])
-        estimate, host = None, None
-        if len(devices) > 1:  # measured on the host: the model may not fit on one accelerator
+        estimate, remat_estimate, host = None, None, None
+        if len(devices) > 1 or memory is not None:  # measured on the host: the model may not fit on one accelerator
             host = build_on_host(model_fn)
-            estimate = estimate_memory(host.model, batch_size=self.options.get("batch_size", 32), optimizer=optimizer)
-        self.decision = decide(num_workers=1, num_devices=len(devices), estimate=estimate, device_memory=memory)
+            measure = {"batch_size": self.options.get("batch_size", 32), "sample": self.options.get("sample")}
+            estimate = estimate_memory(host.model, optimizer=optimizer, remat=remat, **measure)
+            if not remat and memory is not None and estimate.total > memory:
+                remat_estimate = estimate_memory(host.model, optimizer=optimizer, remat=True, **measure)
+        self.decision = decide(
+            num_workers=1,
+            num_devices=len(devices),
+            estimate=estimate,
+            device_memory=memory,
+            remat_estimate=remat_estimate,
+        )
         chosen = backends.get_backend(self.decision.strategy)
         passed = {k: v for k, v in self.options.items() if k in chosen.option_names}
         self.backend = chosen(self.devices if len(devices) > 1 else devices, **passed)

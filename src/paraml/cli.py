@@ -80,7 +80,7 @@ def _estimate(ns: argparse.Namespace) -> int:
     model_fn = load_object(ns.model)
     if not callable(model_fn):
         raise ValueError(f"{ns.model!r} is not a function that builds a model")
-    print(estimate_memory(model_fn, batch_size=ns.batch_size, optimizer=ns.optimizer))
+    print(estimate_memory(model_fn, batch_size=ns.batch_size, optimizer=ns.optimizer, remat=ns.remat))
     return 0
 
 
@@ -118,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("model", help="MODULE:FUNCTION or FILE.py:FUNCTION that returns a keras.Model")
     estimate.add_argument("--batch-size", type=int, default=32)
     estimate.add_argument("--optimizer", default="adam")
+    estimate.add_argument("--remat", action="store_true", help="the estimate with activations recomputed (remat=True)")
     estimate.set_defaults(run=_estimate)
 
     from . import bench, launch

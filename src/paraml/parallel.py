@@ -242,13 +242,15 @@ class Parallel:
         if self._backend is None:
             assert self._auto is not None
             self._seed_globals()  # auto's host build is the first build model_parallel would keep: seeded like it
-            self._backend, host_model = self._auto.choose(model_fn, optimizer)
+            self._backend, host_model = self._auto.choose(model_fn, optimizer, self.remat)
+            assert self._auto.decision is not None
+            self.remat = self.remat or self._auto.decision.remat  # auto recomputes when only that makes it fit
             self._warn_if_alone()
         note = self._one_device_note()
         if note is not None and self._model is None:  # once per Parallel
             warnings.warn(note, stacklevel=2)
         self._seed_globals()
-        model = self.backend.build_model(model_fn, optimizer, host_model)
+        model = self.backend.build_model(model_fn, optimizer, host_model, self.remat)
         if not isinstance(model, keras.Model):
             raise TypeError(f"model_fn must return a keras.Model, it returned {type(model).__name__}")
         compile_args = {
@@ -441,12 +443,13 @@ class Parallel:
             return
         tail = source.num_samples % source.batch_size
         stateful = [w.path for w in self.model.non_trainable_weights if w.dtype.startswith("float")]
-        parts = self.num_replicas
+        parts, why = self.num_replicas, ["remat=True"] if self.remat else []
         if isinstance(self.backend, ModelParallelBackend):
             parts *= self.backend.micro_batches
+            why += ["schedule='1f1b'"] if self.backend.schedule.kind == "1f1b" else []
         if 0 < tail < parts and stateful:
             raise ValueError(
-                f"strategy {self.strategy!r}{' with remat=True' if self.remat else ''}: the last batch has {tail} "
+                f"strategy {self.strategy!r}{' with ' + ' and '.join(why) if why else ''}: the last batch has {tail} "
                 f"sample(s) for {parts} replicas or micro-batches, so one would get none and turn batch statistics "
                 f"({stateful[0]!r}) into NaN; choose a batch_size that leaves at least {parts} samples in the last "
                 "batch, or drop those samples"

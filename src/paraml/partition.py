@@ -12,7 +12,7 @@ observation) to build the cost list from a Keras model.
 Memory model of a stage (all numbers in bytes)::
 
     state_bytes      = param_bytes * (2 + slots_per_param)   # params + grads + slots
-    activation_bytes = sum of the stage's layer output bytes
+    activation_bytes = sum of the stage's layers' activations (what each keeps for the backward pass)
     peak_bytes       = state_bytes + activation_bytes
 
 Example:
@@ -59,7 +59,7 @@ class LayerCost:
     Attributes:
         name: The layer's (unique) name.
         param_bytes: Bytes of the layer's parameters (variables).
-        activation_bytes: Bytes of the layer's output for one batch.
+        activation_bytes: Bytes the layer keeps for the backward pass, for one batch.
 
     Example:
         >>> LayerCost("dense", param_bytes=60, activation_bytes=384).param_bytes
@@ -207,13 +207,13 @@ class PartitionPlan:
             ValueError: if ``devices`` does not have one entry per stage.
 
         Example:
-            >>> costs = [LayerCost(n, 1024, 0) for n in ("in", "mid", "out")]
-            >>> print(plan_even(costs, 2).describe(["/CPU:0", "/CPU:1"]))
-            stage  device  layers       parameters  est. peak memory
-            -----  ------  -----------  ----------  ----------------
-            0      /CPU:0  in..mid (2)    2.00 KiB          4.00 KiB
-            1      /CPU:1  out (1)        1.00 KiB          2.00 KiB
-            largest stage: 4.00 KiB
+            >>> costs = [LayerCost(n, 1024, 512) for n in ("in", "mid", "out")]
+            >>> print(plan_even(costs, 2, slots_per_param=2).describe(["/CPU:0", "/CPU:1"]))
+            stage  device  layers       parameters  grads + optimizer  activations  est. peak memory
+            -----  ------  -----------  ----------  -----------------  -----------  ----------------
+            0      /CPU:0  in..mid (2)    2.00 KiB           6.00 KiB     1.00 KiB          9.00 KiB
+            1      /CPU:1  out (1)        1.00 KiB           3.00 KiB        512 B          4.50 KiB
+            largest stage: 9.00 KiB
         """
         if devices is not None:
             devices = list(devices)
@@ -222,7 +222,7 @@ class PartitionPlan:
                     f"describe() got {len(devices)} devices for {len(self.stages)} stages; "
                     "pass exactly one device per stage"
                 )
-        header = ("stage", "device", "layers", "parameters", "est. peak memory")
+        header = ("stage", "device", "layers", "parameters", "grads + optimizer", "activations", "est. peak memory")
         rows = []
         for stage in self.stages:
             layers = stage.layers
@@ -233,11 +233,13 @@ class PartitionPlan:
                     "-" if devices is None else str(devices[stage.index]),
                     f"{span} ({len(layers)})",
                     format_bytes(stage.param_bytes),
+                    format_bytes(stage.state_bytes - stage.param_bytes),
+                    format_bytes(stage.activation_bytes),
                     format_bytes(stage.peak_bytes),
                 )
             )
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        right_aligned = {3, 4}
+        right_aligned = {3, 4, 5, 6}
 
         def fmt(row: Sequence[str]) -> str:
             cells = [

@@ -16,7 +16,8 @@ gives the same weights as without it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import keras
@@ -24,7 +25,7 @@ import tensorflow as tf
 
 from .units import model_units, nested_layers
 
-__all__ = ["recompute_units"]
+__all__ = ["recompute_units", "recomputed_units", "recomputing"]
 
 
 def recompute_units(model: keras.Model) -> list[str]:
@@ -37,10 +38,42 @@ def recompute_units(model: keras.Model) -> list[str]:
         >>> recompute_units(model)
         ['a', 'b']
     """
-    units = [(name, layer) for name, layer in model_units(model) if not _holds_an_embedding(layer)]
+    units = recomputed_units(model)
     for _, layer in units:
         layer.call = _recomputed(layer, layer.call)
     return [name for name, _ in units]
+
+
+def recomputed_units(model: keras.Model) -> list[tuple[str, keras.layers.Layer]]:
+    """``(name, layer)`` of the units :func:`recompute_units` recomputes: every unit but those holding an
+    ``Embedding``."""
+    return [(name, layer) for name, layer in model_units(model) if not _holds_an_embedding(layer)]
+
+
+@contextmanager
+def recomputing(model: keras.Model) -> Iterator[list[str]]:
+    """:func:`recompute_units` for the duration of a ``with`` block (to measure what recompute keeps); the units'
+    own ``call`` is back afterwards.
+
+    Example:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="a")])
+        >>> with recomputing(model) as names:
+        ...     names
+        ['a']
+        >>> "call" in vars(model.layers[0])
+        False
+    """
+    units = recomputed_units(model)
+    saved = [(layer, vars(layer).get("call")) for _, layer in units]
+    try:
+        yield recompute_units(model)
+    finally:
+        for layer, own in saved:
+            if own is None:
+                del layer.call
+            else:
+                layer.call = own
 
 
 def _holds_an_embedding(layer: keras.layers.Layer) -> bool:

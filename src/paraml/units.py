@@ -1,9 +1,12 @@
 """Model introspection for staging: a model's units, the order one call runs them, and their memory costs.
 
 A **unit** is a layer that is not itself a ``keras.Model`` (:func:`model_units`): nested models are descended into,
-input layers are left out and a layer reachable twice is one unit. :func:`observe_units` calls the model once on a
-small batch of ones (:func:`probe_inputs`) with every unit's ``call`` wrapped, which gives the pipeline order and the
-bytes of each unit's outputs. :func:`unit_costs` turns an :class:`Observation` into the
+input layers are left out and a layer reachable twice is one unit. :func:`observe_units` traces one training step of
+the model (forward and gradient) on two small batches (:func:`probe_inputs`) with every unit's ``call`` wrapped. That
+gives the pipeline order and, per unit, its **activations**: the bytes of the tensors its forward pass creates that the
+gradient reads, i.e. what the step keeps alive for the backward pass (the tensors are counted in the traced graph; a
+``while`` loop's per-step accumulators by their length after one run). Two batch sizes separate bytes that grow with
+the batch from bytes that do not (:class:`RowBytes`). :func:`unit_costs` turns an :class:`Observation` into the
 :class:`paraml.partition.LayerCost` list the planners take, and :func:`observation_notes` says what the numbers rest
 on.
 
@@ -11,8 +14,8 @@ Importing this module is cheap: Keras and TensorFlow are imported inside the fun
 
 Example:
     >>> import keras
-    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="d")])
-    >>> unit_costs(observe_units(model), batch_size=2)
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh", name="d")])
+    >>> unit_costs(observe_units(model), batch_size=2)  # tanh's gradient reads its output: 2 x 3 float32
     [LayerCost(name='d', param_bytes=60, activation_bytes=24)]
 """
 
@@ -31,6 +34,7 @@ __all__ = [
     "PROBE_ROWS",
     "HostModel",
     "Observation",
+    "RowBytes",
     "Unit",
     "build_on_host",
     "model_units",
@@ -42,13 +46,49 @@ __all__ = [
     "variable_bytes",
 ]
 
-#: Rows of the batch a model is called on to observe its units (:func:`observe_units`).
-PROBE_ROWS = 2
+#: Rows of the two batches a model's training step is traced on to measure its units (:func:`observe_units`).
+PROBE_ROWS = (2, 4)
 #: Sizes tried, in order, for the non-batch dimensions a model leaves unknown (a sequence length, an image side).
 PROBE_DIMS = (8, 1, 32)
 
 #: Units named at most in the note listing units whose activations are unknown.
 _MAX_NAMES_IN_NOTES = 8
+
+#: Ops whose outputs are not activations: the batch itself (counted apart), constants and reads of variables.
+_NOT_ACTIVATIONS = frozenset({"Placeholder", "Const", "ReadVariableOp", "VarHandleOp"})
+#: Ops that read only a tensor's shape and dtype: they run as soon as the tensor exists, so they keep nothing alive.
+_SHAPE_READERS = frozenset({"Shape", "ShapeN", "Size", "Rank", "ZerosLike", "OnesLike"})
+#: Ops whose outputs are their inputs' buffers under other names or shapes (IdentityN: output i is input i).
+_ALIASES = frozenset({"Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims"})
+
+
+@dataclass(frozen=True)
+class RowBytes:
+    """Bytes that grow linearly with the batch: ``constant + per_row * rows``.
+
+    Fitted on two measurements (:meth:`fit`): what grows with the batch (a layer's output) and what does not (a
+    causal mask, a copy of a recurrent kernel per time step) are told apart.
+
+    Example:
+        >>> RowBytes.fit((2, 4), (120, 200)).at(10)
+        440
+    """
+
+    constant: float = 0.0
+    per_row: float = 0.0
+
+    @classmethod
+    def fit(cls, rows: tuple[int, int], values: tuple[int, int]) -> RowBytes:
+        """The line through ``(rows[0], values[0])`` and ``(rows[1], values[1])``."""
+        per_row = (values[1] - values[0]) / (rows[1] - rows[0])
+        return cls(values[0] - per_row * rows[0], per_row)
+
+    def at(self, rows: int) -> int:
+        """Bytes for ``rows`` rows (never below 0)."""
+        return max(0, round(self.constant + self.per_row * rows))
+
+    def __add__(self, other: RowBytes) -> RowBytes:
+        return RowBytes(self.constant + other.constant, self.per_row + other.per_row)
 
 
 @dataclass(frozen=True)
@@ -59,42 +99,65 @@ class Unit:
         name: A name unique within the model (the layer's name, prefixed by its parent model's if it is not unique).
         layer: The ``keras.layers.Layer``.
         param_bytes: Bytes of the layer's variables (trainable or not), counted once however often it is called.
-        output_bytes: Bytes of the layer's outputs over all its calls in the observed call, for
-            ``Observation.rows`` rows (0 when the layer was not called, or the call could not be observed).
         calls: How many times the observed call of the model called the layer.
+        activations: Bytes the unit's forward pass keeps for the backward pass, over all its calls (see
+            :func:`observe_units`); its outputs' bytes when the gradient could not be traced, 0 when the layer was
+            not called.
+        recomputed: The same with the unit recomputed in the backward pass (``remat``; then it keeps about its
+            inputs), or None when that was not measured.
     """
 
     name: str
     layer: Any
     param_bytes: int
-    output_bytes: int
-    calls: int
+    calls: int = 0
+    activations: RowBytes = RowBytes()
+    recomputed: RowBytes | None = None
 
-    def activation_bytes(self, rows: int, batch_size: int) -> int:
-        """``output_bytes`` (measured for ``rows`` rows) scaled to ``batch_size`` rows.
+    def activation_bytes(self, batch_size: int, remat: bool = False) -> int:
+        """Activation bytes for ``batch_size`` rows, with the unit recomputed if ``remat`` (and that was measured).
 
         Example:
-            >>> Unit("d", None, param_bytes=60, output_bytes=24, calls=1).activation_bytes(2, batch_size=5)
+            >>> Unit("d", None, param_bytes=60, calls=1, activations=RowBytes(0, 12)).activation_bytes(5)
             60
         """
-        return round(self.output_bytes * batch_size / rows) if rows else 0
+        measured = self.recomputed if remat and self.recomputed is not None else self.activations
+        return measured.at(batch_size)
 
 
 @dataclass(frozen=True)
 class Observation:
-    """The units of a model in the order one call of the model ran them (see :func:`observe_units`).
+    """The units of a model in the order one call of the model ran them, and their costs (see :func:`observe_units`).
 
     Attributes:
         units: Every unit: first those the call ran, in the order of their first call, then those it never called.
-        rows: Rows of the batch the model was called on.
+        batch: Bytes of the model's inputs (the batch itself).
+        outputs: Bytes of the model's outputs (the loss keeps them, or their like, for its gradient).
         problem: Why the model could not be called (then ``units`` are in declaration order), or ``""``.
         probe_dims: The size given to non-batch dimensions the model leaves unknown, or None if there were none.
+        gradient_problem: Why the gradient could not be traced (then activations are the units' outputs), or ``""``.
     """
 
     units: tuple[Unit, ...]
-    rows: int
+    batch: RowBytes = RowBytes()
+    outputs: RowBytes = RowBytes()
     problem: str = ""
     probe_dims: int | None = None
+    gradient_problem: str = ""
+
+    @property
+    def remat_measured(self) -> bool:
+        """Whether the units' activations with recompute were measured (``observe_units(..., remat=True)``)."""
+        return any(u.recomputed is not None for u in self.units)
+
+    def activation_bytes(self, batch_size: int, remat: bool = False) -> int:
+        """Activation bytes of one training step for ``batch_size`` rows: the batch, every unit's activations and
+        the outputs; with ``remat``, the units' recomputed activations plus the largest unit's own (the one being
+        recomputed in the backward pass)."""
+        units = sum(u.activation_bytes(batch_size, remat) for u in self.units)
+        if remat and self.remat_measured:
+            units += max((u.activations.at(batch_size) for u in self.units), default=0)
+        return self.batch.at(batch_size) + units + self.outputs.at(batch_size)
 
 
 def variable_bytes(variables: Iterable[Any]) -> int:
@@ -207,7 +270,7 @@ def _symbolic_output_bytes(layer: Any, batch_size: int) -> int | None:
     return _tensor_bytes(output, batch_size)
 
 
-def probe_inputs(model: Any, rows: int = PROBE_ROWS, unknown: int = PROBE_DIMS[0]) -> tuple[Any, bool]:
+def probe_inputs(model: Any, rows: int = PROBE_ROWS[0], unknown: int = PROBE_DIMS[0]) -> tuple[Any, bool]:
     """A batch of ones of ``rows`` rows that ``model`` accepts, and whether some non-batch dimension was unknown.
 
     Functional and Sequential models give their inputs' shapes, dtypes and names (several inputs as a dict keyed by
@@ -270,13 +333,15 @@ def probe_inputs(model: Any, rows: int = PROBE_ROWS, unknown: int = PROBE_DIMS[0
 
 
 class _CallRecorder:
-    """Wraps the ``call`` of every unit (an instance attribute, removed again by :meth:`restore`) to see it run."""
+    """Wraps the ``call`` of every unit (an instance attribute, removed again by :meth:`restore`) to see it run: the
+    order of first calls, how often each unit ran, its outputs, and the graph ops each call created."""
 
     def __init__(self, units: list[tuple[str, Any]]) -> None:
         self.units = units
         self.order: list[int] = []
         self.calls = [0] * len(units)
-        self.output_bytes = [0] * len(units)
+        self.outputs: list[tuple[int, Any]] = []  # (unit index, its outputs) per call
+        self.spans: list[tuple[int, int, int]] = []  # (unit index, its first op, the op after its last) per call
         self.saved: list[tuple[Any, Any]] = []
         for index, (_, layer) in enumerate(units):
             own = vars(layer).get("call")  # a call already wrapped (a staged model): put it back afterwards
@@ -288,11 +353,26 @@ class _CallRecorder:
             if self.calls[index] == 0:
                 self.order.append(index)
             self.calls[index] += 1
+            start = _ops_so_far()
             outputs = original(*args, **kwargs)
-            self.output_bytes[index] += _tensor_bytes(outputs)
+            self.spans.append((index, start, _ops_so_far()))
+            self.outputs.append((index, outputs))
             return outputs
 
         return call
+
+    def owners(self, num_ops: int) -> list[int]:
+        """The unit each of the first ``num_ops`` graph ops belongs to: the innermost call that created it; an op
+        created between units (a keras op of a functional model) belongs to the unit before it."""
+        owner: list[int | None] = [None] * num_ops
+        for index, start, end in sorted(self.spans, key=lambda span: span[1]):  # a nested call overrides its caller
+            owner[start:end] = [index] * (min(end, num_ops) - start)
+        current = next((o for o in owner if o is not None), 0)
+        filled = []
+        for o in owner:
+            current = current if o is None else o
+            filled.append(current)
+        return filled
 
     def restore(self) -> None:
         for layer, own in self.saved:
@@ -302,70 +382,254 @@ class _CallRecorder:
                 layer.call = own
 
 
-def observe_units(model: Any, *, rows: int = PROBE_ROWS) -> Observation:
-    """Call ``model`` once on a small batch of ones and record which units ran, in which order, with what outputs.
+def _ops_so_far() -> int:
+    import tensorflow as tf
 
-    The model runs its own ``call`` (``training=False``), so whatever Keras can run is observed: layers with several
-    tensor and keyword arguments, keras ops between layers, nested models, subclassed models. Each unit's ``call`` is
-    wrapped for the duration of that one call only. When the model cannot be called on a probe batch (see
-    :func:`probe_inputs`), the units come in declaration order with no outputs, and ``problem`` says why.
+    return len(tf.compat.v1.get_default_graph().get_operations())
+
+
+def _accumulated_dtype(handle: Any) -> Any:
+    """The element dtype of the TensorList ``handle`` (a ``while`` loop's accumulator of one tensor per step), or
+    None when it is not counted: each step pushes the same buffer (a variable's value, a tensor from outside the
+    loop), or this TensorFlow does not tell."""
+    try:
+        import tensorflow as tf
+        from tensorflow.python.ops import handle_data_util  # the list's element dtype: no public API
+
+        body = getattr(handle.op, "_body_graph", None)  # while_v2 keeps its body's graph on the op
+        if body is not None:
+            pushed = body.outputs[handle.value_index].op
+            if pushed.type == "TensorListPushBack":
+                element = pushed.inputs[1]
+                while element.op.type == "Identity":
+                    element = element.op.inputs[0]
+                captured = {id(t) for t in body.internal_captures}
+                if element.op.type == "ReadVariableOp" or id(element) in captured:
+                    return None
+        return tf.as_dtype(handle_data_util.get_resource_handle_data(handle).shape_and_type[0].dtype)
+    except Exception:  # another TensorFlow without this graph or handle data: the accumulator is not counted
+        return None
+
+
+@dataclass
+class _Measured:
+    """What :func:`_measure_step` measured: the units' order of first calls, their calls, their activations, and the
+    bytes of the batch and of the model's outputs."""
+
+    order: list[int]
+    calls: list[int]
+    activations: list[RowBytes]
+    batch: RowBytes
+    outputs: RowBytes
+
+
+def _measure_step(model: Any, units: list[tuple[str, Any]], batches: list[Any], gradient: bool) -> _Measured:
+    """Trace one training step of ``model`` (its gradient w.r.t. the trainable variables, if ``gradient``) with every
+    unit's call recorded, run it on each of ``batches`` (:data:`PROBE_ROWS` rows), and fit each unit's bytes.
+
+    A unit's activations are the bytes of the tensors its calls created in the forward pass that an op of the
+    gradient reads: what the step keeps alive between the two passes. Without ``gradient``, its outputs' bytes. The
+    step is traced once with an unknown batch dimension and its byte counts are computed when it runs, so one trace
+    serves both batches (a model that needs a known batch size is traced per batch). The model's variables are as
+    they were afterwards.
+    """
+    import tensorflow as tf
+
+    recorder = _CallRecorder(units)
+
+    def unit_bytes(tensor: Any) -> Any:
+        return tf.cast(tf.size(tensor), tf.int64) * tensor.dtype.size
+
+    def step(inputs: Any) -> tuple[Any, Any]:
+        graph = tf.compat.v1.get_default_graph()
+        with tf.GradientTape() as tape:
+            outputs = model(inputs, training=True)
+        forward = graph.get_operations()
+        counted: list[list[Any]] = [[] for _ in units]
+        if gradient:
+            targets = [t for t in tf.nest.flatten(outputs) if t.dtype.is_floating]
+            tape.gradient(targets, model.trainable_variables, output_gradients=[tf.ones_like(t) for t in targets])
+            owner = recorder.owners(len(forward))
+            position = {op.name: j for j, op in enumerate(forward)}
+            kept: dict[str, tuple[Any, int]] = {}
+            for op in graph.get_operations()[len(forward) :]:
+                if op.type in _SHAPE_READERS:
+                    continue
+                for tensor in op.inputs:
+                    while tensor.op.type in _ALIASES:
+                        tensor = tensor.op.inputs[tensor.value_index if tensor.op.type == "IdentityN" else 0]
+                    j = position.get(tensor.op.name)
+                    if j is None or tensor.op.type in _NOT_ACTIVATIONS or tensor.dtype in (tf.resource, tf.string):
+                        continue
+                    kept[tensor.name] = (tensor, owner[j])
+            for tensor, unit in kept.values():
+                if tensor.dtype == tf.variant:  # a while loop's accumulator: one element per step
+                    dtype = _accumulated_dtype(tensor)
+                    if dtype is not None:
+                        stacked = tf.raw_ops.TensorListStack(input_handle=tensor, element_shape=-1, element_dtype=dtype)
+                        counted[unit].append(unit_bytes(stacked))
+                else:
+                    counted[unit].append(unit_bytes(tensor))
+        else:
+            for unit, tensors in recorder.outputs:
+                counted[unit] += [unit_bytes(t) for t in tf.nest.flatten(tensors) if hasattr(t, "dtype")]
+        zero = tf.constant(0, tf.int64)
+        per_unit = tf.stack([tf.add_n(c) if c else zero for c in counted]) if units else tf.zeros([0], tf.int64)
+        out = [unit_bytes(t) for t in tf.nest.flatten(outputs) if hasattr(t, "dtype")]
+        return per_unit, tf.add_n(out) if out else zero
+
+    def spec(array: Any) -> Any:
+        return tf.TensorSpec((None, *array.shape[1:]), tf.convert_to_tensor(array[:1]).dtype)
+
+    state = list(model.non_trainable_variables)  # moving statistics, random-seed states: the step moves them
+    saved = [v.numpy() for v in state]
+    calls: list[int] = []
+    try:
+        try:
+            function = tf.function(step, input_signature=[tf.nest.map_structure(spec, batches[0])], autograph=False)
+            results = [function(batches[0])]
+        except Exception:  # a model that needs to know its batch size: trace it per batch
+            recorder.order.clear()
+            recorder.calls[:] = [0] * len(units)
+            recorder.outputs.clear()
+            recorder.spans.clear()
+            function = tf.function(step, autograph=False)
+            results = [function(batches[0])]
+        calls = list(recorder.calls)  # those of the first trace
+        results += [function(x) for x in batches[1:]]
+    finally:
+        recorder.restore()
+        for variable, value in zip(state, saved):
+            variable.assign(value)
+    per_unit = [r[0].numpy().tolist() for r in results]
+    return _Measured(
+        recorder.order,
+        calls,
+        [_fit([p[i] for p in per_unit]) for i in range(len(units))],
+        _fit([_tensor_bytes(x) for x in batches]),
+        _fit([int(r[1]) for r in results]),
+    )
+
+
+def _probe_batches(model: Any, sample: Any, unknown: int) -> tuple[list[Any], bool]:
+    """The probe batches of :data:`PROBE_ROWS` rows: rows of ``sample`` (repeated as needed) or batches of ones."""
+    if sample is None:
+        probes = [probe_inputs(model, rows, unknown) for rows in PROBE_ROWS]
+        return [x for x, _ in probes], probes[0][1]
+    import numpy as np
+    import tensorflow as tf
+
+    def take(rows: int) -> Any:
+        def rows_of(array: Any) -> Any:
+            array = np.asarray(array)
+            return np.take(array, np.arange(rows) % len(array), axis=0)
+
+        return tf.nest.map_structure(rows_of, sample)
+
+    return [take(rows) for rows in PROBE_ROWS], False
+
+
+def observe_units(model: Any, *, sample: Any = None, remat: bool = False) -> Observation:
+    """Trace one training step of ``model`` on two small batches and measure its units (see the module docstring).
+
+    The model runs its own ``call`` (``training=True``) in a ``tf.function``, so whatever Keras can run is observed:
+    layers with several tensor and keyword arguments, keras ops between layers (counted with the unit before them),
+    nested models, subclassed models, recurrent layers. Each unit's ``call`` is wrapped for the duration of the
+    trace only, and the variables the step moves (moving statistics, random-seed states) are put back.
+
+    Args:
+        model: A built ``keras.Model``.
+        sample: A batch of the model's inputs (any number of rows; arrays, or a dict or list of them) whose shapes,
+            dtypes and values the probe batches take. Without it, batches of ones, with unknown non-batch
+            dimensions (a sequence length) tried at each size of :data:`PROBE_DIMS`: give a sample whenever the
+            sequence length or image size matters.
+        remat: Also measure each unit's activations when it is recomputed in the backward pass
+            (:func:`paraml.remat.recomputing`).
+
+    When the model cannot be called, the units come in declaration order with no activations and ``problem`` says
+    why; when its gradient cannot be traced, the activations are the units' outputs and ``gradient_problem`` says
+    why.
 
     Example:
         >>> import keras
-        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="d")])
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="relu", name="d")])
         >>> obs = observe_units(model)
-        >>> [(u.name, u.param_bytes, u.activation_bytes(obs.rows, batch_size=5)) for u in obs.units]
+        >>> [(u.name, u.param_bytes, u.activation_bytes(batch_size=5)) for u in obs.units]  # relu keeps its output
         [('d', 60, 60)]
     """
     units = model_units(model)
     params = [variable_bytes(layer.weights) for _, layer in units]
     problems: list[str] = []
-    for unknown in PROBE_DIMS:
+    for unknown in PROBE_DIMS if sample is None else (PROBE_DIMS[0],):
         try:
-            x, had_unknown = probe_inputs(model, rows, unknown)
+            batches, had_unknown = _probe_batches(model, sample, unknown)
         except ValueError as error:
             problems.append(str(error))
             break
-        recorder = _CallRecorder(units)
+        gradient_problem = ""
         try:
-            model(x, training=False)
-        except Exception as error:  # any failure of the user's model on a batch of ones: fall back, say why
-            problems.append(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+            try:
+                measured = _measure_step(model, units, batches, gradient=True)
+            except Exception as error:  # e.g. an output with no gradient: the units' outputs stand in
+                gradient_problem = _first_line(error)
+                measured = _measure_step(model, units, batches, gradient=False)
+        except Exception as error:  # any failure of the user's model on a probe batch: fall back, say why
+            problems.append(_first_line(error))
             if not had_unknown:
                 break  # other sizes for unknown dimensions cannot help
             continue
-        finally:
-            recorder.restore()
-        order = recorder.order + [i for i in range(len(units)) if recorder.calls[i] == 0]
+        recomputed: list[RowBytes | None] = [None] * len(units)
+        if remat and not gradient_problem:
+            from .remat import recomputing
+
+            with recomputing(model):
+                recomputed = list(_measure_step(model, units, batches, gradient=True).activations)
+        order = measured.order + [i for i in range(len(units)) if measured.calls[i] == 0]
         observed = tuple(
-            Unit(units[i][0], units[i][1], params[i], recorder.output_bytes[i], recorder.calls[i]) for i in order
+            Unit(units[i][0], units[i][1], params[i], measured.calls[i], measured.activations[i], recomputed[i])
+            for i in order
         )
-        return Observation(observed, rows, "", unknown if had_unknown else None)
+        return Observation(
+            observed,
+            batch=measured.batch,
+            outputs=measured.outputs,
+            probe_dims=unknown if had_unknown else None,
+            gradient_problem=gradient_problem,
+        )
     problem = "; ".join(dict.fromkeys(problems))
     return Observation(
-        tuple(Unit(name, layer, p, 0, 0) for (name, layer), p in zip(units, params)),
-        rows,
-        f"model {model.name!r} could not be called on a probe batch ({problem})",
+        tuple(Unit(name, layer, p) for (name, layer), p in zip(units, params)),
+        problem=f"model {model.name!r} could not be called on a probe batch ({problem})",
     )
 
 
-def unit_costs(observation: Observation, batch_size: int) -> list[LayerCost]:
+def _fit(values: list[int]) -> RowBytes:
+    return RowBytes.fit(PROBE_ROWS, (values[0], values[1]))
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error)
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def unit_costs(observation: Observation, batch_size: int, *, remat: bool = False) -> list[LayerCost]:
     """One :class:`paraml.partition.LayerCost` per unit of ``observation``, in its (pipeline) order.
 
-    ``param_bytes`` counts all of a unit's variables (trainable and not) once; ``activation_bytes`` is the bytes of
-    its outputs over all its calls, scaled to ``batch_size`` rows. When the model could not be called
-    (``observation.problem``), a unit's activations are those of its symbolic output (a functional model's layers
-    have one) for ``batch_size`` rows, or 0 when it has none (:func:`observation_notes` names those units).
+    ``param_bytes`` counts all of a unit's variables (trainable and not) once; ``activation_bytes`` is what its
+    forward keeps for the backward pass (recomputed if ``remat`` and that was measured), for ``batch_size`` rows.
+    When the model could not be called (``observation.problem``), a unit's activations are those of its symbolic
+    output (a functional model's layers have one) for ``batch_size`` rows, or 0 when it has none
+    (:func:`observation_notes` names those units).
 
     Raises:
         ValueError: if ``batch_size`` is not an int >= 1.
 
     Example:
         >>> import keras
-        >>> layers = [keras.Input((4,)), keras.layers.Dense(3, name="d"), keras.layers.Dense(1, name="o")]
-        >>> model = keras.Sequential(layers)
+        >>> relu = keras.layers.Dense(3, activation="relu", name="d")
+        >>> model = keras.Sequential([keras.Input((4,)), relu, keras.layers.Dense(1, name="o")])
         >>> [(c.name, c.activation_bytes) for c in unit_costs(observe_units(model), batch_size=10)]
-        [('d', 120), ('o', 40)]
+        [('d', 120), ('o', 0)]
     """
     batch_size = check_int("batch_size", batch_size)
     if observation.problem:
@@ -373,23 +637,22 @@ def unit_costs(observation: Observation, batch_size: int) -> list[LayerCost]:
             LayerCost(u.name, u.param_bytes, _symbolic_output_bytes(u.layer, batch_size) or 0)
             for u in observation.units
         ]
-    return [
-        LayerCost(u.name, u.param_bytes, u.activation_bytes(observation.rows, batch_size)) for u in observation.units
-    ]
+    return [LayerCost(u.name, u.param_bytes, u.activation_bytes(batch_size, remat)) for u in observation.units]
 
 
 def observation_notes(observation: Observation) -> list[str]:
     """Caveats of the costs :func:`unit_costs` derives from ``observation``, one sentence each ([] when none).
 
     They say that the model could not be called (the units are then in declaration order, and those without a
-    symbolic output have unknown activations, counted as 0), or the size the model's unknown non-batch dimensions
-    were given for the probe call.
+    symbolic output have unknown activations, counted as 0), that its gradient could not be traced, or the size
+    the model's unknown non-batch dimensions were given for the probe.
 
     Example:
         >>> import keras
         >>> model = keras.Sequential([keras.Input((None, 4)), keras.layers.Dense(2)])
-        >>> print(*observation_notes(observe_units(model)))
-        activations measured with the model's unknown non-batch dimensions (sequence length, image size) set to 8
+        >>> (note,) = observation_notes(observe_units(model))
+        >>> note.endswith("(sequence length, image size) set to 8; pass a sample batch for the real ones")
+        True
     """
     notes = []
     if observation.problem:
@@ -398,10 +661,14 @@ def observation_notes(observation: Observation) -> list[str]:
         if unknown:
             more = " ..." if len(unknown) > _MAX_NAMES_IN_NOTES else ""
             notes.append(f"activations unknown (counted as 0) for: {', '.join(unknown[:_MAX_NAMES_IN_NOTES])}{more}")
+    if observation.gradient_problem:
+        notes.append(
+            f"the gradient could not be traced ({observation.gradient_problem}): activations are the units' outputs"
+        )
     if observation.probe_dims is not None:
         notes.append(
             "activations measured with the model's unknown non-batch dimensions (sequence length, image size) set "
-            f"to {observation.probe_dims}"
+            f"to {observation.probe_dims}; pass a sample batch for the real ones"
         )
     return notes
 
@@ -417,27 +684,29 @@ class HostModel:
 
     model: Any
     created: list[Any]
-    _observation: Observation | None = field(default=None, init=False, repr=False)
+    _observed: dict[tuple[int, bool], Observation] = field(default_factory=dict, init=False, repr=False)
 
-    def observe(self) -> Observation:
-        """:func:`observe_units` of the model, called on the host CPU (once: later calls return the same).
+    def observe(self, *, sample: Any = None, remat: bool = False) -> Observation:
+        """:func:`observe_units` of the model, called on the host CPU (once per ``sample`` and ``remat``: later calls
+        return the same).
 
         Raises:
             ValueError: if calling the model created variables: ``model_fn`` must return a model with all its weights.
         """
-        if self._observation is None:
+        key = (id(sample), remat)
+        if key not in self._observed:
             import tensorflow as tf
 
             before = len(self.model.weights)
             with tf.device("/device:CPU:0"):
-                observation = observe_units(self.model)
+                observation = observe_units(self.model, sample=sample, remat=remat)
             if len(self.model.weights) != before:
                 raise ValueError(
                     f"model {self.model.name!r} created variables when it was first called: model_fn must return a "
                     "model with all its weights (call it on a batch, or model.build(input_shape), inside model_fn)"
                 )
-            self._observation = observation
-        return self._observation
+            self._observed[key] = observation
+        return self._observed[key]
 
 
 def build_on_host(model_fn: Callable[[], Any]) -> HostModel:

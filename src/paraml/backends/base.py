@@ -156,15 +156,16 @@ class Backend(abc.ABC):
         return self.scope()
 
     def build_model(
-        self, model_fn: Callable[[], keras.Model], optimizer: Any = None, host_model: Any = None
+        self, model_fn: Callable[[], keras.Model], optimizer: Any = None, host_model: Any = None, remat: bool = False
     ) -> keras.Model:
         """Call ``model_fn`` so that the model's variables live where this backend wants them.
 
-        ``optimizer`` (what the user passed to ``build``) lets a backend that plans placement by memory count the
-        optimizer's slots. ``host_model`` is a :class:`paraml.units.HostModel` the caller already built (``auto``
-        measured it), for a backend that plans from a first build; data-parallel backends ignore both.
+        ``optimizer`` (what the user passed to ``build``) and ``remat`` (whether the units will be recomputed) let a
+        backend that plans placement by memory count the optimizer's slots and the activations kept. ``host_model``
+        is a :class:`paraml.units.HostModel` the caller already built (``auto`` measured it), for a backend that plans
+        from a first build; data-parallel backends ignore all three.
         """
-        del optimizer, host_model
+        del optimizer, host_model, remat
         with self.scope():
             return model_fn()
 

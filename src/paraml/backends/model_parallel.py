@@ -6,9 +6,11 @@ How it works, and why:
   keras_hub backbone inside its task, a backbone inside backbone + head) are descended into, so a 12-layer
   transformer's blocks spread over the stages; a transformer block, an attention layer or a Dense is one unit. A
   layer called several times (a tied embedding) is one unit, counted once.
-- **Order and sizes.** The model is called once on a small batch of ones with each unit's ``call`` wrapped
-  (:func:`paraml.units.observe_units`): the order in which the units first run is the pipeline order, and their
-  outputs give the activation sizes the balanced planner weighs next to the parameters.
+- **Order and sizes.** One training step of the model is traced on small batches with each unit's ``call`` wrapped
+  (:func:`paraml.units.observe_units`): the order in which the units first run is the pipeline order, and the
+  tensors each unit keeps for the backward pass (with ``remat=True``: when recomputed) are the activations the
+  balanced planner weighs next to the parameters, gradients and optimizer slots. Option ``sample`` (a batch of
+  inputs) gives the sequence length or image size when the model leaves them unknown.
 - **Placement.** ``model_fn`` creates its variables while it runs, before any partition is known. So the model is
   built twice: once on the host to observe it and plan the stages (:func:`paraml.units.build_on_host`; under
   ``"auto"``, the build ``auto`` measured), then again under a ``tf.variable_creator_scope``
@@ -37,11 +39,12 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from ..checks import check_int
+from ..checks import check_choice, check_int
 from ..devices import device_memory, resolve_devices
 from ..masks import concat_with_masks, keras_masks
 from ..optimizers import optimizer_slots_per_param
 from ..partition import LayerCost, PartitionPlan, Stage, layer_cost, make_plan
+from ..schedules import SCHEDULES, Schedule
 from ..sizes import format_bytes, parse_size
 from ..units import HostModel, build_on_host, model_units, observation_notes, unit_costs
 from .base import Backend, Capabilities, DeviceSpec, Layout, Objective, Topology
@@ -63,8 +66,10 @@ class ModelParallelBackend(Backend):
     Options: ``partition`` (``"balanced"``: minimise the largest stage's parameters + gradients + optimizer slots +
     activations; ``"even"``: the same number of units per stage; a list of lists of unit names; a list of stage
     start indices), ``micro_batches`` (default 1), ``batch_size`` (the batch the activations are estimated for when
-    planning, default 32: the training batch is not known at build) and ``device_memory`` (``"16GiB"``, bytes, or
-    None: what TensorFlow tells; a unit or a stage larger than that is refused at build).
+    planning, default 32: the training batch is not known at build), ``sample`` (a batch of inputs, any number of
+    rows: the sequence length or image size the activations are measured at, when the model leaves them unknown)
+    and ``device_memory`` (``"16GiB"``, bytes, or None: what TensorFlow tells; a unit or a stage larger than that is
+    refused at build).
 
     >>> import keras
     >>> from paraml import Parallel
@@ -75,7 +80,7 @@ class ModelParallelBackend(Backend):
     [('dense',), ('dense_1',)]
     """
 
-    option_names = ("partition", "micro_batches", "device_memory", "batch_size")
+    option_names = ("partition", "micro_batches", "schedule", "device_memory", "batch_size", "sample")
     capabilities = Capabilities(
         builds_on_first_batch=False,  # variables are placed at build, so the model must have them then
         xla_problem="under model_parallel one step spans several devices, and an XLA computation runs on one",
@@ -90,12 +95,28 @@ class ModelParallelBackend(Backend):
                 f"got {partition!r}"
             )
         self.batch_size: int = check_int("batch_size", options.get("batch_size", PLANNING_BATCH))
+        self.sample: Any = options.get("sample")
+        schedule = check_choice("schedule", options.get("schedule", "gpipe"), SCHEDULES)
         memory = options.get("device_memory")
         super().__init__(devices, **options)
         self.partition = partition
         self.device_memory: int | None = None if memory is None else parse_size(memory)
         resolved = resolve_devices(devices)
         self.topology = Topology(resolved, Layout(stages=len(resolved)))  # one copy of the model over the devices
+        #: The pipeline schedule (:mod:`paraml.schedules`): printable, and the rule the stages' gates follow.
+        self.schedule = Schedule(schedule, len(resolved), self.micro_batches)
+        # Under 1F1B, (stage, micro-batch) -> the ops of that micro-batch's backward pass on that stage, and the
+        # micro-batch being traced: a stage's forward pass waits for the backward pass the schedule names.
+        self._backward_done: dict[tuple[int, int], Any] = {}
+        self._tracing: int | None = None
+        if schedule == "1f1b":
+            # Each micro-batch's gradient is taken on its own; a gate cannot reach into a tf.cond's branch.
+            self.capabilities = replace(
+                self.capabilities,
+                skips_empty_replicas=False,
+                loss_scaling_problem="schedule='1f1b' takes each micro-batch's gradient before the loss scale "
+                "applies, so float16 gradients could underflow; use schedule='gpipe'",
+            )
         if self.micro_batches > 1:
             self.capabilities = replace(
                 self.capabilities,
@@ -112,18 +133,22 @@ class ModelParallelBackend(Backend):
 
     # -- placement ----------------------------------------------------------------------------------------------------
     def build_model(
-        self, model_fn: Callable[[], keras.Model], optimizer: Any = None, host_model: HostModel | None = None
+        self,
+        model_fn: Callable[[], keras.Model],
+        optimizer: Any = None,
+        host_model: HostModel | None = None,
+        remat: bool = False,
     ) -> keras.Model:
         host = host_model if host_model is not None else build_on_host(model_fn)
         probe, created = host.model, host.created
         if not isinstance(probe, keras.Model) or not probe.built or not probe.weights:
             return probe  # the facade reports what is wrong with it
-        observation = host.observe()
+        observation = host.observe(sample=self.sample, remat=remat)
         if not observation.units:
             raise ValueError(f"model {probe.name!r} has no layers to place on stages")
         self.notes = observation_notes(observation)
         slots = optimizer_slots_per_param(optimizer) if optimizer is not None else 0
-        costs = unit_costs(observation, self.batch_size)
+        costs = unit_costs(observation, self.batch_size, remat=remat)
         devices = self.topology.devices
         self.plan = make_plan(costs, self.partition, len(devices), slots)
         self._check_fits(costs, slots)
@@ -167,9 +192,18 @@ class ModelParallelBackend(Backend):
         )
         device_of = {renamed[name]: device for name, device in stage_device.items()}
         self.placement = [(name, by_name[name], device_of[name]) for name in order]
+        stage_of = {device: index for index, device in enumerate(devices)}
         for _, layer, device in self.placement:
-            _stage_call(layer, device)
+            _stage_call(layer, device, lambda stage=stage_of[device]: self._gate(stage))
         return model
+
+    def _gate(self, stage: int) -> list[Any]:
+        """What ``stage``'s forward pass of the micro-batch being traced waits for (1F1B), or nothing."""
+        if self._tracing is None:
+            return []
+        earlier = self.schedule.waits_for(stage, self._tracing)
+        done = self._backward_done.get((stage, earlier)) if earlier is not None else None
+        return [] if done is None else [done]
 
     def _check_fits(self, costs: list[LayerCost], slots: int) -> None:
         """Refuse (at build) a unit or a stage larger than a device; note a unit that keeps stages from balancing."""
@@ -279,17 +313,80 @@ class ModelParallelBackend(Backend):
     def loss(
         self, model: keras.Model, x: Any, y: Any, sample_weight: Any, objective: Objective, training: bool
     ) -> tuple[tf.Tensor, Any]:
-        y_pred, total = self._run(model, self._parts(x, y, sample_weight), training, objective)
+        parts = self._parts(x, y, sample_weight)
+        if training and self.schedule.kind == "1f1b" and len(parts) > 1:
+            return self._one_forward_one_backward(model, parts, objective)
+        y_pred, total = self._run(model, parts, training, objective)
         return total, y_pred
+
+    @tf.autograph.experimental.do_not_convert  # a Python loop over the micro-batches, traced as written
+    def _one_forward_one_backward(
+        self, model: keras.Model, parts: list[tuple[Any, ...]], objective: Objective
+    ) -> tuple[tf.Tensor, Any]:
+        """The loss parts of a training batch whose micro-batches each run forward and then backward, in the 1F1B
+        order (:mod:`paraml.schedules`): each micro-batch's gradient is taken as soon as its loss exists, and each
+        stage's forward pass of micro-batch ``i`` waits (a control dependency) for the backward pass the schedule
+        names. The caller's tape sees one op whose gradient is the sum of the micro-batches' gradients, scaled by what
+        flows back into the loss (the replica's division by the global batch, a loss scale)."""
+        variables = model.trainable_variables
+        stage_of = {
+            id(v.value): self._stage_index(device) for _, layer, device in self.placement for v in layer.variables
+        }
+        y_preds: list[Any] = []
+        masks: list[list[Any]] = []
+
+        totals, summed = [], None
+        for i, (x_part, y_part, w_part) in enumerate(parts):
+            if tf.nest.flatten(x_part)[0].shape[0] == 0:
+                continue
+            self._tracing = i
+            try:
+                with tf.GradientTape() as tape:
+                    y_pred = model(x_part, training=True)
+                    part = objective(x_part, y_part, y_pred, w_part)
+                    rows_loss = part[0]  # sliced on the tape, or the gradient would not reach it
+            finally:
+                self._tracing = None
+            mask = keras_masks(y_pred)
+            if any(m is not None for m in mask):
+                raise ValueError(
+                    "schedule='1f1b' takes each micro-batch's gradient before the next one's loss exists, but a loss "
+                    "over masked tokens is a mean over the whole batch's tokens; use schedule='gpipe'"
+                )
+            grads = tape.gradient(rows_loss, variables)
+            for stage in range(self.schedule.stages):
+                done = [
+                    _values(g) for g, v in zip(grads, variables) if g is not None and stage_of[id(v.value)] == stage
+                ]
+                if done:
+                    self._backward_done[(stage, i)] = tf.group(*done)
+            summed = grads if summed is None else [_add(a, g) for a, g in zip(summed, grads)]
+            totals.append(part)
+            y_preds.append(y_pred)
+            masks.append(mask)
+        self._backward_done.clear()
+        # The caller's tape differentiates this: the loss parts' value, with the summed gradients as their gradient
+        # (a sum of each variable times its gradient, held constant), so what flows back into the loss (the replica's
+        # division by the global batch, a loss scale) scales them.
+        total = tf.stop_gradient(tf.add_n(totals))
+        surrogate = tf.add_n([_dot(g, v) for g, v in zip(summed or [], variables) if g is not None] or [tf.zeros(())])
+        total += tf.stack([surrogate - tf.stop_gradient(surrogate), 0.0, 0.0])
+        return total, concat_with_masks(y_preds, masks)
+
+    def _stage_index(self, device: str) -> int:
+        return list(self.topology.devices).index(device)
 
     def describe(self) -> str:
         devices = self.topology.devices
         header = f"model_parallel on {len(devices)} device(s), micro_batches={self.micro_batches}"
+        header += f", schedule={self.schedule.kind!r}" if self.micro_batches > 1 else ""
         if self.plan is None:
             return header
         lines = [header, self.plan.describe(devices)]
         lines += [f"stage {s.index} units: {', '.join(s.layers)}" for s in self.plan.stages]
         lines += [f"note: {note}" for note in self.notes]
+        if self.micro_batches > 1:
+            lines.append(str(self.schedule))
         return "\n".join(lines)
 
 
@@ -297,12 +394,35 @@ def _signature(units: list[tuple[str, keras.layers.Layer]]) -> list[tuple[str, l
     return [(type(layer).__name__, [tuple(v.shape) for v in layer.variables]) for _, layer in units]
 
 
-def _stage_call(layer: keras.layers.Layer, device: str) -> None:
-    """Make ``layer``'s computation run on ``device``: its ``call`` (the public method) wrapped, on this instance."""
+def _stage_call(layer: keras.layers.Layer, device: str, gate: Callable[[], list[Any]]) -> None:
+    """Make ``layer``'s computation run on ``device``, after what ``gate()`` returns (the 1F1B schedule's wait): its
+    ``call`` (the public method) wrapped, on this instance."""
     original = layer.call
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        with tf.device(device):
+        with tf.device(device), tf.control_dependencies(gate()):
             return original(*args, **kwargs)
 
     layer.call = call
+
+
+def _values(gradient: Any) -> Any:
+    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+
+
+def _add(a: Any, b: Any) -> Any:
+    """Two gradients of one variable summed; two sparse ones (an Embedding's) stay sparse, as TensorFlow adds them."""
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape)
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
+
+
+def _dot(gradient: Any, variable: Any) -> tf.Tensor:
+    """``sum(gradient * variable)`` with the gradient held constant: its gradient w.r.t. ``variable`` is ``gradient``
+    (sparse for a sparse one: only the rows it names are read)."""
+    if isinstance(gradient, tf.IndexedSlices):
+        rows = tf.gather(variable, gradient.indices)
+        return tf.reduce_sum(
+            tf.cast(tf.stop_gradient(gradient.values) * tf.cast(rows, gradient.values.dtype), "float32")
+        )
+    return tf.reduce_sum(tf.cast(tf.stop_gradient(gradient) * tf.cast(variable, gradient.dtype), "float32"))
