@@ -17,7 +17,7 @@ its own ``call`` with each unit under its stage's device. Three questions:
    same cores, which one micro-batch's large matmuls already keep busy. So this ratio is not what a GPU would show;
    what it does exercise is the code path a GPU takes (the same ``tf.function``, split and ``tf.device`` placement).
 3. **Memory.** The largest stage's parameter-plus-optimizer bytes, counted from the real variables
-   (:func:`paraml.benchmark.variable_bytes_per_device` of the model's weights and Adam's variables), against a perfect
+   (:func:`paraml.memory.variable_bytes_by_device` of the model's weights and Adam's variables), against a perfect
    1/K split of the same total, for K = 2 and 4 (target: <= 1.10), with the stage plan (``par.describe()``).
 
 Timing is :mod:`paraml.benchmark`'s: every variant in this one process, windows interleaved, each one ``fit`` call of
@@ -92,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         paired,
         peak_rss_mib,
         progress_printer,
-        variable_bytes_per_device,
         write_json,
     )
+    from paraml.memory import variable_bytes_by_device
     from paraml.sizes import format_bytes
 
     width, depth = args.width, args.layers
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             par = make_parallel(staged(k, 1))
             par.build(model_fn, **dense.compile_args())
             par.fit(x[:GLOBAL_BATCH], y[:GLOBAL_BATCH], batch_size=GLOBAL_BATCH, verbose=0)
-            per_device = variable_bytes_per_device(par.model.weights + par.model.optimizer.variables)
+            per_device = variable_bytes_by_device(par.model.weights + par.model.optimizer.variables)
         total, largest = sum(per_device.values()), max(per_device.values())
         plans[k] = par.describe()
         memory[str(k)] = {

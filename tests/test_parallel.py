@@ -246,3 +246,27 @@ def test_central_storage_refuses_a_grouped_convolution_by_name():
     with pytest.raises(ValueError, match="strategy 'central_storage' cannot train layer 'grouped', a grouped conv"):
         Parallel("central_storage", devices=2).build(grouped, optimizer="sgd", loss="mse")
     Parallel("mirrored", devices=2).build(grouped, optimizer="sgd", loss="mse")  # its variables are on every device
+
+
+def test_memory_by_device_reads_where_the_variables_live():
+    def make():
+        return keras.Sequential(
+            [keras.Input((16,)), keras.layers.Dense(64), keras.layers.Dense(64), keras.layers.Dense(2)]
+        )
+
+    found = {}
+    for strategy, devices in [("single", None), ("mirrored", 2), ("central_storage", 2), ("model_parallel", 2)]:
+        par = Parallel(strategy, devices=devices)
+        par.build(make, optimizer="adam", loss="mse")
+        found[strategy] = par.memory_by_device()
+    ((one, single),) = found["single"].items()
+    params = (16 * 64 + 64 + 64 * 64 + 64 + 64 * 2 + 2) * 4
+    assert single["parameters"] == params and single["optimizer"] == 2 * params + 12  # Adam: 2 slots + 3 scalars
+    assert list(found["mirrored"].values()) == [single, single]  # a full copy on each replica
+    assert list(found["central_storage"].values()) == [single]  # one copy, on the parameter device
+    staged = found["model_parallel"]
+    assert len(staged) == 2 and all(b["parameters"] < params for b in staged.values())
+    assert sum(b["parameters"] for b in staged.values()) == params
+    slots = sum(b["optimizer"] for b in staged.values())
+    assert 2 * params <= slots <= 2 * params + 12  # every slot once, next to its variable
+    assert "parameters" in par.describe() and "/device:CPU:1" in par.describe()

@@ -41,6 +41,7 @@ from typing import Any
 
 from .checks import check_int
 from .loading import load_object
+from .memory import variable_bytes_by_device
 
 __all__ = [
     "GLOBAL_BATCH",
@@ -71,7 +72,6 @@ __all__ = [
     "resolve_model",
     "run_process",
     "time_variants",
-    "variable_bytes_per_device",
     "write_json",
 ]
 
@@ -187,18 +187,6 @@ def _take(x: Any, rows: int) -> Any:
 
 
 # -- memory ------------------------------------------------------------------------------------------------------------
-
-
-def variable_bytes_per_device(variables: Sequence[Any]) -> dict[str, int]:
-    """Bytes of ``variables`` on each device (a mirrored variable counts once on every device holding a copy)."""
-    totals: dict[str, int] = {}
-    for variable in variables:
-        value = getattr(variable, "value", variable)
-        copies = getattr(value, "values", None) or (value,)
-        for copy in copies:
-            device = "/device:" + copy.device.split("device:")[-1]
-            totals[device] = totals.get(device, 0) + int(copy.shape.num_elements()) * copy.dtype.size
-    return dict(sorted(totals.items()))
 
 
 def peak_rss_mib() -> float:
@@ -557,7 +545,7 @@ def _result(variant: Variant, series: Series) -> BenchResult:
         samples_per_s=work.batch_size / (medians["step_ms"] / 1000),
         fixed_ms=statistics.median((c - s) * steps for c, s in zip(windows["fit_call_ms"], windows["step_ms"])),
         first_step_s=variant.first_step_s,
-        variable_bytes_per_device=variable_bytes_per_device(variables),
+        variable_bytes_per_device=variable_bytes_by_device(variables),
         peak_rss_mib=peak_rss_mib(),
         windows_ms=windows,
         **medians,

@@ -35,7 +35,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +47,7 @@ from .units import observation_notes, observe_units, unit_costs, variable_bytes
 if TYPE_CHECKING:  # pragma: no cover
     from .partition import LayerCost
 
-__all__ = ["MemoryEstimate", "estimate_memory", "layer_costs"]
+__all__ = ["MemoryEstimate", "estimate_memory", "layer_costs", "memory_by_device", "variable_bytes_by_device"]
 
 
 @dataclass(frozen=True)
@@ -245,3 +245,43 @@ def layer_costs(
     """
     batch_size = check_int("batch_size", batch_size)
     return unit_costs(observe_units(_resolve_model(model), sample=sample, remat=remat), batch_size, remat=remat)
+
+
+def variable_bytes_by_device(variables: Sequence[Any]) -> dict[str, int]:
+    """Bytes of ``variables`` on each device, read from where they live: a mirrored variable counts on every device
+    holding a copy, a variable listed twice once.
+
+    Example:
+        >>> import keras
+        >>> variable_bytes_by_device([keras.Variable([[1.0, 2.0]])])
+        {'/device:CPU:0': 8}
+    """
+    totals: dict[str, int] = {}
+    seen: set[int] = set()
+    for variable in variables:
+        value = getattr(variable, "value", variable)
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        for copy in getattr(value, "values", None) or (value,):
+            device = "/device:" + copy.device.split("device:")[-1]
+            totals[device] = totals.get(device, 0) + int(copy.shape.num_elements()) * copy.dtype.size
+    return dict(sorted(totals.items()))
+
+
+def memory_by_device(model: Any, optimizers: Sequence[Any] = ()) -> dict[str, dict[str, int]]:
+    """``{device: {"parameters": bytes, "optimizer": bytes}}``: the model's variables (trainable or not) and the
+    optimizers' variables (slots and their scalars) on each device, read from where the variables live.
+
+    Example:
+        >>> import keras
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        >>> optimizer = keras.optimizers.Adam()
+        >>> optimizer.build(model.trainable_variables)
+        >>> memory_by_device(model, [optimizer])["/device:CPU:0"]["optimizer"]  # 2 slots of 60 bytes, step, rate
+        132
+    """
+    parameters = variable_bytes_by_device(model.weights)
+    state = variable_bytes_by_device([v for optimizer in optimizers for v in optimizer.variables])
+    devices = sorted(set(parameters) | set(state))
+    return {d: {"parameters": parameters.get(d, 0), "optimizer": state.get(d, 0)} for d in devices}

@@ -23,11 +23,13 @@ from .backends.base import Backend
 from .backends.model_parallel import ModelParallelBackend
 from .checkpoint import Checkpointing, CheckpointState, restore_checkpoint, save_checkpoint
 from .checks import check_int, check_verbose, did_you_mean
-from .compiling import check_compile_names, compile_model, overrides
+from .compiling import check_compile_names, compile_model, extra_optimizers, overrides
 from .data import GlobalBatches, global_batches, split_validation, zeros_like_spec
 from .devices import no_gpu_reason
+from .memory import memory_by_device
 from .partition import PartitionPlan
 from .remat import recompute_units
+from .sizes import format_bytes
 from .training import Trainer
 
 __all__ = ["Parallel"]
@@ -203,9 +205,27 @@ class Parallel:
         return text
 
     def describe(self) -> str:
-        """A readable description of the backend: its devices and, for ``model_parallel``, the stage table."""
+        """A readable description of the backend: its devices and, for ``model_parallel``, the stage table; after
+        :meth:`build`, the bytes of parameters and optimizer state on each device (:meth:`memory_by_device`)."""
         text = self.backend.describe()
+        if self._model is not None and self._trainer is not None:
+            rows = [
+                (device, format_bytes(b["parameters"]), format_bytes(b["optimizer"]))
+                for device, b in self.memory_by_device().items()
+            ]
+            width = max(len("device"), *(len(r[0]) for r in rows))
+            text += f"\n{'device'.ljust(width)}  {'parameters':>12}  {'optimizer':>12}"
+            text += "".join(f"\n{d.ljust(width)}  {p:>12}  {o:>12}" for d, p, o in rows)
         return text if self.jit_compile is False else text + "\n" + self._xla_reason
+
+    def memory_by_device(self) -> dict[str, dict[str, int]]:
+        """``{device: {"parameters": bytes, "optimizer": bytes}}`` after :meth:`build`, read from where the variables
+        live: replicated under data parallelism, split by stage under ``model_parallel``, one copy on the parameter
+        device under ``central_storage``. Optimizer bytes count every optimizer the model holds (its slots and
+        their scalars)."""
+        model = self._require_model("memory_by_device()")
+        optimizers = [model.optimizer, *extra_optimizers(model).values()] if model.optimizer is not None else []
+        return memory_by_device(model, optimizers)
 
     def __repr__(self) -> str:
         return f"Parallel({self.strategy!r}, devices={list(self.devices)!r})"

@@ -31,6 +31,7 @@ How it works, and why:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
@@ -182,6 +183,10 @@ class ModelParallelBackend(Backend):
             target.assign(source)
         # The second build may name its layers differently (Keras numbers auto-names per process): match by position.
         renamed = {old: new for (old, _), (new, _) in zip(probe_units, final_units)}
+        self.notes = [  # named as the final model names its units
+            re.sub(r"unit '([^']+)'", lambda m: f"unit {renamed.get(m.group(1), m.group(1))!r}", note)
+            for note in self.notes
+        ]
         by_name = dict(final_units)
         order = [renamed[u.name] for u in observation.units]
         self.plan = PartitionPlan(
