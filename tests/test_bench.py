@@ -24,9 +24,9 @@ from paraml.benchmark import (
     interleave,
     marked_results,
     paired,
-    variable_bytes_per_device,
     write_json,
 )
+from paraml.memory import variable_bytes_by_device
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))
@@ -105,13 +105,13 @@ def model():
     return keras.Sequential([keras.Input((10,)), keras.layers.Dense(10), keras.layers.Dense(10)])  # 110 params each
 
 
-def test_variable_bytes_per_device():
+def test_variable_bytes_by_device():
     mirrored = Parallel("mirrored", devices=2)
     mirrored.build(model, optimizer="sgd", loss="mse")
-    assert variable_bytes_per_device(mirrored.model.weights) == {"/device:CPU:0": 880, "/device:CPU:1": 880}
+    assert variable_bytes_by_device(mirrored.model.weights) == {"/device:CPU:0": 880, "/device:CPU:1": 880}
     staged = Parallel("model_parallel", devices=2, partition="even")
     staged.build(model, optimizer="sgd", loss="mse")
-    assert variable_bytes_per_device(staged.model.weights) == {"/device:CPU:0": 440, "/device:CPU:1": 440}
+    assert variable_bytes_by_device(staged.model.weights) == {"/device:CPU:0": 440, "/device:CPU:1": 440}
 
 
 def test_interleave_rotates_the_order_and_records_every_window():
