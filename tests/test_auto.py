@@ -39,6 +39,17 @@ def test_the_rule(workers, devices, need, have, expected):
     )
 
 
+def test_the_first_saving_that_fits_is_taken():
+    savings = [({"shard_optimizer": True}, estimate(90)), ({"remat": True}, estimate(40))]
+    chosen = decide(num_workers=1, num_devices=2, estimate=estimate(100), device_memory=50, savings=savings)
+    assert (chosen.strategy, chosen.remat, chosen.shard_optimizer) == ("mirrored", True, False)
+    assert "with remat=True" in chosen.explain()
+    none_fit = decide(num_workers=1, num_devices=2, estimate=estimate(100), device_memory=30, savings=savings)
+    assert none_fit.strategy == "model_parallel" and "with shard_optimizer=True" in none_fit.explain()
+    fits = decide(num_workers=1, num_devices=2, estimate=estimate(20), device_memory=30, savings=savings)
+    assert (fits.strategy, fits.settings) == ("mirrored", {})
+
+
 def test_a_model_that_does_not_fit_picks_model_parallel():
     par = Parallel("auto", devices=2, device_memory="1.2MiB", micro_batches=2)  # the model needs ~1.3 MiB
     assert par.strategy == "auto"  # decided at build, when the model is known
@@ -95,6 +106,19 @@ def test_remat_when_only_recompute_makes_the_model_fit_one_device():
     assert "remat=True: 7 units recompute" in text
     for got, want in zip(par.model.get_weights(), pars["single"].model.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_shard_optimizer_when_only_sharded_adam_state_fits_one_device():
+    from paraml import estimate_memory
+
+    plain = estimate_memory(wide, batch_size=8, optimizer="adam").total
+    sharded = estimate_memory(wide, batch_size=8, optimizer="adam", optimizer_shards=2).total
+    assert sharded < plain
+    budget = (plain + sharded) // 2
+    par = Parallel("auto", devices=2, device_memory=budget, batch_size=8)
+    par.build(wide, optimizer="adam", loss="mse")
+    assert par.strategy == "mirrored" and par.backend.capabilities.shards_optimizer and not par.remat
+    assert "with shard_optimizer=True" in par.explain() and "optimizer state sharded" in par.explain()
 
 
 def test_one_device_picks_single():

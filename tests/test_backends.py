@@ -72,7 +72,8 @@ def test_a_registered_backend_trains_like_single(by_hand):
     np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
     for a, b in zip(par.model.get_weights(), reference.model.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    assert par.describe() == "by_hand on 1 device(s): /device:CPU:2"
+    assert par.describe().splitlines()[0] == "by_hand on 1 device(s): /device:CPU:2"
+    assert par.memory_by_device() == {"/device:CPU:2": {"parameters": 652, "optimizer": 2 * 652 + 12}}
 
 
 def test_its_capabilities_and_options_are_honoured(by_hand):

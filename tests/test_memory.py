@@ -358,6 +358,17 @@ def test_float16_variables_use_two_bytes() -> None:
     assert est.activations == 2 * 4 * F32 + 2 * 4 * 2 + 2 * 3 * 2
 
 
+def test_sharded_slots_are_the_fullest_devices() -> None:
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="a"), keras.layers.Dense(8, name="b")])
+    full = estimate_memory(model, batch_size=2, optimizer="adam")
+    halves = estimate_memory(model, batch_size=2, optimizer="adam", optimizer_shards=2)
+    # kernels of 256 bytes go one to each device, the biases (32 bytes) one to each: half of Adam's slots each
+    assert halves.optimizer_slots == full.optimizer_slots // 2
+    assert halves.parameters == full.parameters and "2 shards" in halves.note
+    with pytest.raises(ValueError, match="optimizer_shards must be an int >= 1"):
+        estimate_memory(model, optimizer_shards=0)
+
+
 def test_estimate_accepts_model_fn() -> None:
     est = estimate_memory(_dense_model, batch_size=4, optimizer="sgd")
     assert est.parameters == DENSE_PARAMS

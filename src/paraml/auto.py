@@ -5,8 +5,9 @@ The rule, in order:
 1. ``TF_CONFIG`` describes a cluster of more than one worker -> ``multi_worker`` (decided at once: that strategy
    must exist at program start);
 2. more than one device, and the estimated training memory fits on one device -> ``mirrored``;
-3. more than one device, and the model fits on one device only when its activations are recomputed
-   (``estimate_memory(..., remat=True)``) -> ``mirrored`` with ``remat=True``;
+3. more than one device, and the model fits on one device with less memory per device for the same weights
+   (:data:`SAVINGS`, in order: the optimizer state sharded over the replicas, the activations recomputed, both) ->
+   ``mirrored`` with the first that fits (``shard_optimizer=True``, ``remat=True``);
 4. more than one device (the model does not fit on one) -> ``model_parallel`` with a balanced partition;
 5. otherwise -> ``single`` (with ``remat=True`` when one device's known memory needs it).
 
@@ -19,8 +20,8 @@ chosen backend so that ``model_parallel`` plans from that build instead of makin
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .memory import MemoryEstimate
@@ -32,23 +33,47 @@ if TYPE_CHECKING:  # pragma: no cover
     from .backends.base import Backend, DeviceSpec
     from .units import HostModel
 
-__all__ = ["AUTO_OPTIONS", "AutoChoice", "AutoDecision", "decide"]
+__all__ = ["AUTO_OPTIONS", "SAVINGS", "AutoChoice", "AutoDecision", "decide"]
 
 #: Options of ``Parallel("auto")``: its own, and those it passes to ``model_parallel`` if it picks it.
 AUTO_OPTIONS = ("device_memory", "batch_size", "sample", "partition", "micro_batches")
 
 
+#: What ``auto`` tries, in order, when the model does not fit one device as it is: fewer bytes per device for the
+#: same weights. Each is a set of ``Parallel`` settings; the first whose estimate fits is taken.
+SAVINGS: tuple[dict[str, bool], ...] = (
+    {"shard_optimizer": True},
+    {"remat": True},
+    {"remat": True, "shard_optimizer": True},
+)
+
+
 @dataclass(frozen=True)
 class AutoDecision:
-    """What ``auto`` chose and why: :meth:`explain` says it in words, with the numbers."""
+    """What ``auto`` chose and why: :meth:`explain` says it in words, with the numbers.
+
+    ``settings`` are the memory savings it turned on (``{"remat": True}``, ``{"shard_optimizer": True}``), with
+    ``saved_estimate`` the estimate with them; ``tried`` every saving estimated, when none made the model fit.
+    """
 
     strategy: str
     num_workers: int
     num_devices: int
     estimate: MemoryEstimate | None
     device_memory: int | None
-    remat_estimate: MemoryEstimate | None = None
-    remat: bool = False
+    settings: dict[str, bool] = field(default_factory=dict)
+    saved_estimate: MemoryEstimate | None = None
+    tried: tuple[tuple[dict[str, bool], MemoryEstimate], ...] = ()
+
+    @property
+    def remat(self) -> bool:
+        """Whether ``auto`` turned recompute on."""
+        return self.settings.get("remat", False)
+
+    @property
+    def shard_optimizer(self) -> bool:
+        """Whether ``auto`` sharded the optimizer state."""
+        return self.settings.get("shard_optimizer", False)
 
     def explain(self) -> str:
         """Why this strategy, with the numbers that decided it."""
@@ -59,23 +84,34 @@ class AutoDecision:
             if self.device_memory is not None
             else "device memory unknown (pass device_memory='16GiB' to decide by it)"
         )
-        if self.num_devices <= 1 and not self.remat:
+        if self.num_devices <= 1 and not self.settings:
             return "chose 'single': one device is available"
         need = _needs(self.estimate)
-        if self.remat:
-            assert self.remat_estimate is not None
+        if self.settings:
+            assert self.saved_estimate is not None
             where = "one device is available" if self.num_devices <= 1 else f"on {self.num_devices} devices"
             return (
-                f"chose {self.strategy!r} with remat=True ({where}): the model fits on one device only with its "
-                f"activations recomputed: {_needs(self.remat_estimate)} <= {have}; without recompute, {need}"
+                f"chose {self.strategy!r} with {_settings(self.settings)} ({where}): the model fits on one device only "
+                f"{_WHY[tuple(sorted(self.settings))]}: {_needs(self.saved_estimate)} <= {have}; as it is, {need}"
             )
         if self.strategy == "mirrored":
             return f"chose 'mirrored' on {self.num_devices} devices: the model fits on one device: {need}; {have}"
-        more = "" if self.remat_estimate is None else f", or with remat=True {format_bytes(self.remat_estimate.total)}"
+        more = "".join(f", with {_settings(k)} {format_bytes(e.total)}" for k, e in self.tried)
         return (
             f"chose 'model_parallel' on {self.num_devices} devices: the model does not fit on one device: "
             f"{need}{more} > {have}"
         )
+
+
+_WHY = {
+    ("shard_optimizer",): "with its optimizer state sharded over the replicas",
+    ("remat",): "with its activations recomputed",
+    ("remat", "shard_optimizer"): "with its activations recomputed and its optimizer state sharded",
+}
+
+
+def _settings(settings: dict[str, bool]) -> str:
+    return " and ".join(f"{name}=True" for name in sorted(settings))
 
 
 def _needs(estimate: MemoryEstimate | None) -> str:
@@ -97,25 +133,27 @@ def decide(
     num_devices: int,
     estimate: MemoryEstimate | None,
     device_memory: int | None,
-    remat_estimate: MemoryEstimate | None = None,
+    savings: Sequence[tuple[dict[str, bool], MemoryEstimate]] = (),
 ) -> AutoDecision:
     """Apply the rule of this module (pure: no TensorFlow, so each branch is testable on its own).
 
-    ``remat_estimate`` is the estimate with recompute (given when ``estimate`` does not fit): if it fits, the model
-    trains data-parallel (or on its one device) with ``remat=True``.
+    ``savings`` are the estimates with each of :data:`SAVINGS` that applies (given when ``estimate`` does not fit):
+    the first that fits is taken, and the model trains data-parallel (or on its one device) with it.
     """
     fits = estimate is None or device_memory is None or estimate.total <= device_memory
-    fits_with_remat = not fits and remat_estimate is not None and remat_estimate.total <= device_memory  # type: ignore[operator]
+    saved = None if fits else next(((k, e) for k, e in savings if e.total <= device_memory), None)  # type: ignore[operator]
     if num_workers > 1:
-        strategy = "multi_worker"
-    elif num_devices <= 1:
+        return AutoDecision("multi_worker", num_workers, num_devices, estimate, device_memory)
+    if num_devices <= 1:
         strategy = "single"
-    elif fits or fits_with_remat:
+    elif fits or saved is not None:
         strategy = "mirrored"
     else:
         strategy = "model_parallel"
-    remat = strategy != "multi_worker" and fits_with_remat
-    return AutoDecision(strategy, num_workers, num_devices, estimate, device_memory, remat_estimate, remat)
+    if saved is None:
+        tried = () if fits else tuple(savings)
+        return AutoDecision(strategy, num_workers, num_devices, estimate, device_memory, tried=tried)
+    return AutoDecision(strategy, num_workers, num_devices, estimate, device_memory, dict(saved[0]), saved[1])
 
 
 class AutoChoice:
@@ -160,21 +198,30 @@ class AutoChoice:
         memory = self.options.get("device_memory")
         if memory is None:
             memory = device_memory(devices[0])
-        estimate, remat_estimate, host = None, None, None
+        estimate, savings, host = None, [], None
         if len(devices) > 1 or memory is not None:  # measured on the host: the model may not fit on one accelerator
             host = build_on_host(model_fn)
-            measure = {"batch_size": self.options.get("batch_size", 32), "sample": self.options.get("sample")}
-            estimate = estimate_memory(host.model, optimizer=optimizer, remat=remat, **measure)
-            if not remat and memory is not None and estimate.total > memory:
-                remat_estimate = estimate_memory(host.model, optimizer=optimizer, remat=True, **measure)
+            measure = {"batch_size": self.options.get("batch_size", 32), "optimizer": optimizer}
+            sample = self.options.get("sample")
+            observed = host.observe(sample=sample, remat=remat)
+            estimate = estimate_memory(host.model, remat=remat, observation=observed, **measure)
+            if memory is not None and estimate.total > memory:
+                for settings in SAVINGS:
+                    if (settings.get("shard_optimizer") and len(devices) < 2) or (remat and "remat" not in settings):
+                        continue  # sharding needs replicas; the user's remat stays on
+                    with_remat = remat or settings.get("remat", False)
+                    shards = len(devices) if settings.get("shard_optimizer") else 1
+                    observed = host.observe(sample=sample, remat=with_remat)
+                    saved = estimate_memory(
+                        host.model, remat=with_remat, optimizer_shards=shards, observation=observed, **measure
+                    )
+                    savings.append((settings, saved))
         self.decision = decide(
-            num_workers=1,
-            num_devices=len(devices),
-            estimate=estimate,
-            device_memory=memory,
-            remat_estimate=remat_estimate,
+            num_workers=1, num_devices=len(devices), estimate=estimate, device_memory=memory, savings=savings
         )
         chosen = backends.get_backend(self.decision.strategy)
         passed = {k: v for k, v in self.options.items() if k in chosen.option_names}
+        if self.decision.shard_optimizer:
+            passed["shard_optimizer"] = True
         self.backend = chosen(self.devices if len(devices) > 1 else devices, **passed)
         return self.backend, host

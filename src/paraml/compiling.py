@@ -21,6 +21,7 @@ from .backends.base import Backend
 from .checks import did_you_mean
 from .optimizers import fresh_optimizer
 from .units import nested_layers
+from .zero import sharded_optimizer
 
 __all__ = ["Compiled", "check_compile_names", "compile_model", "decide_xla", "extra_optimizers", "overrides"]
 
@@ -144,6 +145,8 @@ def _compile_keras(backend: Backend, model: keras.Model, compile_args: dict[str,
         if accumulation:
             config = {**optimizer.get_config(), "gradient_accumulation_steps": None}
             optimizer = optimizer.__class__.from_config(config)
+        if backend.capabilities.shards_optimizer:
+            optimizer = sharded_optimizer(optimizer, model.trainable_variables, backend.topology.devices)
         if compile_args.get("auto_scale_loss", True) and model.dtype_policy.name == "mixed_float16":
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)  # as compile would, but under the strategy
         problem = backend.capabilities.loss_scaling_problem

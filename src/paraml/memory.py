@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Any
 from .checks import check_int
 from .optimizers import optimizer_slots_per_param, slot_bytes
 from .sizes import format_bytes
-from .units import observation_notes, observe_units, unit_costs, variable_bytes
+from .units import Observation, observation_notes, observe_units, unit_costs, variable_bytes
+from .zero import owners
 
 if TYPE_CHECKING:  # pragma: no cover
     from .partition import LayerCost
@@ -161,6 +162,8 @@ def estimate_memory(
     exact_slots: bool = True,
     remat: bool = False,
     sample: Any = None,
+    optimizer_shards: int = 1,
+    observation: Observation | None = None,
 ) -> MemoryEstimate:
     """Estimate the memory needed to train ``model`` (see the module docstring).
 
@@ -176,6 +179,10 @@ def estimate_memory(
         remat: The estimate with recompute (``Parallel(..., remat=True)``, :mod:`paraml.remat`).
         sample: A batch of the model's inputs (any number of rows) whose shapes, dtypes and values the measurement
             uses: give one when the model leaves its sequence length or image size unknown.
+        optimizer_shards: The optimizer slots split over this many devices as ``shard_optimizer=True`` splits them
+            (each variable's slots on one owner, owners balanced by bytes): the slots of the device holding most.
+        observation: :func:`paraml.units.observe_units` of ``model`` to reuse (measured with ``remat=True`` when the
+            estimate is); measured here when None.
 
     Raises:
         ValueError: for an unbuilt model, a bad batch size or an unknown optimizer.
@@ -203,9 +210,18 @@ def estimate_memory(
             notes.append(f"optimizer slots estimated from slots per parameter ({type(err).__name__}: {err})")
     if slots is None:
         slots = gradients * optimizer_slots_per_param(optimizer) if trainable else 0
+    shards = check_int("optimizer_shards", optimizer_shards)
+    if shards > 1 and trainable:
+        sizes = [variable_bytes([v]) for v in trainable]
+        load = [0] * shards
+        for size, device in zip(sizes, owners(sizes, shards)):
+            load[device] += size
+        slots = round(slots * max(load) / max(sum(sizes), 1))  # slots in proportion to their variable's bytes
+        notes.append(f"optimizer slots of the device holding most of {shards} shards")
     if not isinstance(remat, bool):
         raise ValueError(f"remat must be True or False, got {remat!r}")
-    observation = observe_units(model, sample=sample, remat=remat)
+    if observation is None:
+        observation = observe_units(model, sample=sample, remat=remat)
     costs = unit_costs(observation, batch_size, remat=remat)
     notes.extend(observation_notes(observation))
     activations = (

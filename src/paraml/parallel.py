@@ -37,6 +37,13 @@ __all__ = ["Parallel"]
 #: Options every backend accepts; the backend's own ``option_names`` add to these.
 COMMON_OPTIONS = ("seed", "steps_per_execution", "jit_compile", "remat")
 
+#: Why an option of one strategy means nothing under the others (said when it is given to them).
+_NOT_HERE = {
+    "shard_optimizer": " (only 'mirrored' shards optimizer state: it keeps a copy per device, which 'single', "
+    "'central_storage' and 'model_parallel' do not; not yet under 'multi_worker')",
+    "schedule": " (a pipeline schedule: only 'model_parallel' pipelines)",
+}
+
 Verbose = int | str | bool
 
 #: Keras callbacks that write files which must exist once: under multi_worker only the chief runs them.
@@ -91,8 +98,9 @@ class Parallel:
         if unknown:
             valid = COMMON_OPTIONS + option_names
             hint = did_you_mean(unknown[0], valid)
+            why = _NOT_HERE.get(unknown[0], "")
             raise ValueError(
-                f"unknown option {unknown[0]!r}{hint} for strategy {strategy!r}; valid options: {', '.join(valid)}"
+                f"unknown option {unknown[0]!r}{hint} for strategy {strategy!r}{why}; valid options: {', '.join(valid)}"
             )
         self.steps_per_execution: int = check_int("steps_per_execution", steps_per_execution)
         self.seed: int | None = check_int("seed", seed, low=None, none_ok=True)

@@ -114,6 +114,7 @@ class Capabilities:
         grouped_convolution_problem: Why a convolution with ``groups > 1`` (a grouped or depthwise one, as in
             ConvNeXt) cannot run here, or None.
         own_train_step_problem: Why a model's own ``train_step`` cannot run here (as configured), or None.
+        shards_optimizer: The optimizer's slots live on one owner device per variable (:mod:`paraml.zero`).
     """
 
     skips_empty_replicas: bool = True
@@ -122,6 +123,7 @@ class Capabilities:
     loss_scaling_problem: str | None = None
     grouped_convolution_problem: str | None = None
     own_train_step_problem: str | None = None
+    shards_optimizer: bool = False
 
 
 class Backend(abc.ABC):

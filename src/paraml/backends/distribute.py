@@ -87,10 +87,24 @@ class MirroredBackend(StrategyBackend):
     """One machine, many devices (``tf.distribute.MirroredStrategy``): a copy of every variable on each device,
     gradients summed by all-reduce.
 
+    Option ``shard_optimizer=True`` keeps each variable's optimizer slots on one device only, which runs its update
+    and broadcasts the result (ZeRO stage 1, :mod:`paraml.zero`): the same weights, 1/N of the optimizer state per
+    device.
+
     >>> from paraml import Parallel
     >>> Parallel("mirrored", devices=2).num_replicas
     2
     """
+
+    option_names = ("shard_optimizer",)
+
+    def __init__(self, devices: DeviceSpec = None, **options: Any) -> None:
+        shard = options.get("shard_optimizer", False)
+        if not isinstance(shard, bool):
+            raise ValueError(f"shard_optimizer must be True or False, got {shard!r}")
+        super().__init__(devices, **options)
+        if shard:
+            self.capabilities = dataclasses.replace(self.capabilities, shards_optimizer=True)
 
     def make_strategy(self, devices: DeviceSpec) -> tf.distribute.Strategy:
         _new_collective_key_range(tf.distribute.MirroredStrategy)

@@ -361,7 +361,7 @@ class ModelParallelBackend(Backend):
             grads = tape.gradient(rows_loss, variables)
             for stage in range(self.schedule.stages):
                 done = [
-                    _values(g) for g, v in zip(grads, variables) if g is not None and stage_of[id(v.value)] == stage
+                    _values(g) for g, v in zip(grads, variables) if g is not None and stage_of.get(id(v.value)) == stage
                 ]
                 if done:
                     self._backward_done[(stage, i)] = tf.group(*done)
