@@ -192,6 +192,7 @@ class AutoChoice:
         from . import backends
         from .devices import device_memory
         from .memory import estimate_memory
+        from .remat import recomputing
         from .units import build_on_host
 
         devices = self.local_devices()
@@ -203,7 +204,7 @@ class AutoChoice:
             host = build_on_host(model_fn)
             measure = {"batch_size": self.options.get("batch_size", 32), "optimizer": optimizer}
             sample = self.options.get("sample")
-            observed = host.observe(sample=sample, remat=remat)
+            observed = host.observe(sample=sample, recompute=recomputing if remat else None)
             estimate = estimate_memory(host.model, remat=remat, observation=observed, **measure)
             if memory is not None and estimate.total > memory:
                 for settings in SAVINGS:
@@ -211,7 +212,7 @@ class AutoChoice:
                         continue  # sharding needs replicas; the user's remat stays on
                     with_remat = remat or settings.get("remat", False)
                     shards = len(devices) if settings.get("shard_optimizer") else 1
-                    observed = host.observe(sample=sample, remat=with_remat)
+                    observed = host.observe(sample=sample, recompute=recomputing if with_remat else None)
                     saved = estimate_memory(
                         host.model, remat=with_remat, optimizer_shards=shards, observation=observed, **measure
                     )

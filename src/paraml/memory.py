@@ -181,7 +181,7 @@ def estimate_memory(
             uses: give one when the model leaves its sequence length or image size unknown.
         optimizer_shards: The optimizer slots split over this many devices as ``shard_optimizer=True`` splits them
             (each variable's slots on one owner, owners balanced by bytes): the slots of the device holding most.
-        observation: :func:`paraml.units.observe_units` of ``model`` to reuse (measured with ``remat=True`` when the
+        observation: :func:`paraml.units.observe_units` of ``model`` to reuse (measured with recompute when the
             estimate is); measured here when None.
 
     Raises:
@@ -221,7 +221,9 @@ def estimate_memory(
     if not isinstance(remat, bool):
         raise ValueError(f"remat must be True or False, got {remat!r}")
     if observation is None:
-        observation = observe_units(model, sample=sample, remat=remat)
+        from .remat import recomputing  # TensorFlow: only now
+
+        observation = observe_units(model, sample=sample, recompute=recomputing if remat else None)
     costs = unit_costs(observation, batch_size, remat=remat)
     notes.extend(observation_notes(observation))
     activations = (
@@ -260,7 +262,10 @@ def layer_costs(
         [LayerCost(name='d', param_bytes=60, activation_bytes=0)]
     """
     batch_size = check_int("batch_size", batch_size)
-    return unit_costs(observe_units(_resolve_model(model), sample=sample, remat=remat), batch_size, remat=remat)
+    from .remat import recomputing  # TensorFlow: only now
+
+    observed = observe_units(_resolve_model(model), sample=sample, recompute=recomputing if remat else None)
+    return unit_costs(observed, batch_size, remat=remat)
 
 
 def variable_bytes_by_device(variables: Sequence[Any]) -> dict[str, int]:

@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,7 +148,7 @@ class Observation:
 
     @property
     def remat_measured(self) -> bool:
-        """Whether the units' activations with recompute were measured (``observe_units(..., remat=True)``)."""
+        """Whether the units' activations with recompute were measured (``observe_units(..., recompute=...)``)."""
         return any(u.recomputed is not None for u in self.units)
 
     def activation_bytes(self, batch_size: int, remat: bool = False) -> int:
@@ -529,7 +530,9 @@ def _probe_batches(model: Any, sample: Any, unknown: int) -> tuple[list[Any], bo
     return [take(rows) for rows in PROBE_ROWS], False
 
 
-def observe_units(model: Any, *, sample: Any = None, remat: bool = False) -> Observation:
+def observe_units(
+    model: Any, *, sample: Any = None, recompute: Callable[[Any], AbstractContextManager[Any]] | None = None
+) -> Observation:
     """Trace one training step of ``model`` on two small batches and measure its units (see the module docstring).
 
     The model runs its own ``call`` (``training=True``) in a ``tf.function``, so whatever Keras can run is observed:
@@ -543,8 +546,8 @@ def observe_units(model: Any, *, sample: Any = None, remat: bool = False) -> Obs
             dtypes and values the probe batches take. Without it, batches of ones, with unknown non-batch
             dimensions (a sequence length) tried at each size of :data:`PROBE_DIMS`: give a sample whenever the
             sequence length or image size matters.
-        remat: Also measure each unit's activations when it is recomputed in the backward pass
-            (:func:`paraml.remat.recomputing`).
+        recompute: Also measure each unit's activations when it is recomputed in the backward pass: the context
+            under which the model's units recompute (:func:`paraml.remat.recomputing`, given by the caller).
 
     When the model cannot be called, the units come in declaration order with no activations and ``problem`` says
     why; when its gradient cannot be traced, the activations are the units' outputs and ``gradient_problem`` says
@@ -579,10 +582,8 @@ def observe_units(model: Any, *, sample: Any = None, remat: bool = False) -> Obs
                 break  # other sizes for unknown dimensions cannot help
             continue
         recomputed: list[RowBytes | None] = [None] * len(units)
-        if remat and not gradient_problem:
-            from .remat import recomputing
-
-            with recomputing(model):
+        if recompute is not None and not gradient_problem:
+            with recompute(model):
                 recomputed = list(_measure_step(model, units, batches, gradient=True).activations)
         order = measured.order + [i for i in range(len(units)) if measured.calls[i] == 0]
         observed = tuple(
@@ -686,20 +687,22 @@ class HostModel:
     created: list[Any]
     _observed: dict[tuple[int, bool], Observation] = field(default_factory=dict, init=False, repr=False)
 
-    def observe(self, *, sample: Any = None, remat: bool = False) -> Observation:
-        """:func:`observe_units` of the model, called on the host CPU (once per ``sample`` and ``remat``: later calls
-        return the same).
+    def observe(
+        self, *, sample: Any = None, recompute: Callable[[Any], AbstractContextManager[Any]] | None = None
+    ) -> Observation:
+        """:func:`observe_units` of the model, called on the host CPU (once per ``sample`` and ``recompute``: later
+        calls return the same).
 
         Raises:
             ValueError: if calling the model created variables: ``model_fn`` must return a model with all its weights.
         """
-        key = (id(sample), remat)
+        key = (id(sample), recompute is not None)
         if key not in self._observed:
             import tensorflow as tf
 
             before = len(self.model.weights)
             with tf.device("/device:CPU:0"):
-                observation = observe_units(self.model, sample=sample, remat=remat)
+                observation = observe_units(self.model, sample=sample, recompute=recompute)
             if len(self.model.weights) != before:
                 raise ValueError(
                     f"model {self.model.name!r} created variables when it was first called: model_fn must return a "

@@ -45,6 +45,7 @@ from ..devices import device_memory, resolve_devices
 from ..masks import concat_with_masks, keras_masks
 from ..optimizers import optimizer_slots_per_param
 from ..partition import LayerCost, PartitionPlan, Stage, layer_cost, make_plan
+from ..remat import recomputing
 from ..schedules import SCHEDULES, Schedule
 from ..sizes import format_bytes, parse_size
 from ..units import HostModel, build_on_host, model_units, observation_notes, unit_costs
@@ -144,7 +145,7 @@ class ModelParallelBackend(Backend):
         probe, created = host.model, host.created
         if not isinstance(probe, keras.Model) or not probe.built or not probe.weights:
             return probe  # the facade reports what is wrong with it
-        observation = host.observe(sample=self.sample, remat=remat)
+        observation = host.observe(sample=self.sample, recompute=recomputing if remat else None)
         if not observation.units:
             raise ValueError(f"model {probe.name!r} has no layers to place on stages")
         self.notes = observation_notes(observation)
