@@ -80,7 +80,15 @@ def _estimate(ns: argparse.Namespace) -> int:
     model_fn = load_object(ns.model)
     if not callable(model_fn):
         raise ValueError(f"{ns.model!r} is not a function that builds a model")
-    print(estimate_memory(model_fn, batch_size=ns.batch_size, optimizer=ns.optimizer, remat=ns.remat))
+    print(
+        estimate_memory(
+            model_fn,
+            batch_size=ns.batch_size,
+            optimizer=ns.optimizer,
+            remat=ns.remat,
+            optimizer_shards=ns.optimizer_shards,
+        )
+    )
     return 0
 
 
@@ -119,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--batch-size", type=int, default=32)
     estimate.add_argument("--optimizer", default="adam")
     estimate.add_argument("--remat", action="store_true", help="the estimate with activations recomputed (remat=True)")
+    estimate.add_argument(
+        "--optimizer-shards", type=int, default=1, metavar="N", help="optimizer state sharded over N devices"
+    )
     estimate.set_defaults(run=_estimate)
 
     from . import bench, launch
