@@ -200,24 +200,7 @@ def estimate_memory(
     parameters = variable_bytes(model.weights)
     gradients = variable_bytes(trainable)
     notes: list[str] = []
-    slots: int | None = None
-    if exact_slots and trainable:
-        try:
-            slots = slot_bytes(optimizer, trainable)
-        except ValueError:
-            raise
-        except Exception as err:  # e.g. a custom optimizer that cannot be copied
-            notes.append(f"optimizer slots estimated from slots per parameter ({type(err).__name__}: {err})")
-    if slots is None:
-        slots = gradients * optimizer_slots_per_param(optimizer) if trainable else 0
-    shards = check_int("optimizer_shards", optimizer_shards)
-    if shards > 1 and trainable:
-        sizes = [variable_bytes([v]) for v in trainable]
-        load = [0] * shards
-        for size, device in zip(sizes, owners(sizes, shards)):
-            load[device] += size
-        slots = round(slots * max(load) / max(sum(sizes), 1))  # slots in proportion to their variable's bytes
-        notes.append(f"optimizer slots of the device holding most of {shards} shards")
+    slots = _slot_bytes(optimizer, trainable, exact_slots, check_int("optimizer_shards", optimizer_shards), notes)
     if not isinstance(remat, bool):
         raise ValueError(f"remat must be True or False, got {remat!r}")
     if observation is None:
@@ -240,6 +223,31 @@ def estimate_memory(
         per_layer=tuple((c.name, c.param_bytes, c.activation_bytes) for c in costs),
         note="; ".join(notes),
     )
+
+
+def _slot_bytes(optimizer: Any, trainable: list[Any], exact: bool, shards: int, notes: list[str]) -> int:
+    """The optimizer's slot bytes for ``trainable`` (see :func:`estimate_memory`); with ``shards`` > 1, those of the
+    device holding most when each variable's slots live on one owner. Appends its caveats to ``notes``."""
+    if not trainable:
+        return 0
+    slots: int | None = None
+    if exact:
+        try:
+            slots = slot_bytes(optimizer, trainable)
+        except ValueError:
+            raise
+        except Exception as err:  # e.g. a custom optimizer that cannot be copied
+            notes.append(f"optimizer slots estimated from slots per parameter ({type(err).__name__}: {err})")
+    if slots is None:
+        slots = variable_bytes(trainable) * optimizer_slots_per_param(optimizer)
+    if shards > 1:
+        sizes = [variable_bytes([v]) for v in trainable]
+        load = [0] * shards
+        for size, device in zip(sizes, owners(sizes, shards)):
+            load[device] += size
+        slots = round(slots * max(load) / max(sum(sizes), 1))  # slots in proportion to their variable's bytes
+        notes.append(f"optimizer slots of the device holding most of {shards} shards")
+    return slots
 
 
 def layer_costs(

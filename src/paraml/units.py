@@ -424,6 +424,27 @@ class _Measured:
     outputs: RowBytes
 
 
+def _kept_for_backward(forward: list[Any], backward: list[Any], owner: list[int]) -> list[tuple[Any, int]]:
+    """The tensors ops of ``forward`` made that ops of ``backward`` read, each once, with the unit that made it
+    (``owner`` of the op): through aliases to the buffer's maker, leaving out the batch, constants, variables' values
+    and what only a shape reader reads."""
+    import tensorflow as tf
+
+    position = {op.name: j for j, op in enumerate(forward)}
+    kept: dict[str, tuple[Any, int]] = {}
+    for op in backward:
+        if op.type in _SHAPE_READERS:
+            continue
+        for tensor in op.inputs:
+            while tensor.op.type in _ALIASES:
+                tensor = tensor.op.inputs[tensor.value_index if tensor.op.type == "IdentityN" else 0]
+            j = position.get(tensor.op.name)
+            if j is None or tensor.op.type in _NOT_ACTIVATIONS or tensor.dtype in (tf.resource, tf.string):
+                continue
+            kept[tensor.name] = (tensor, owner[j])
+    return list(kept.values())
+
+
 def _measure_step(model: Any, units: list[tuple[str, Any]], batches: list[Any], gradient: bool) -> _Measured:
     """Trace one training step of ``model`` (its gradient w.r.t. the trainable variables, if ``gradient``) with every
     unit's call recorded, run it on each of ``batches`` (:data:`PROBE_ROWS` rows), and fit each unit's bytes.
@@ -450,20 +471,8 @@ def _measure_step(model: Any, units: list[tuple[str, Any]], batches: list[Any], 
         if gradient:
             targets = [t for t in tf.nest.flatten(outputs) if t.dtype.is_floating]
             tape.gradient(targets, model.trainable_variables, output_gradients=[tf.ones_like(t) for t in targets])
-            owner = recorder.owners(len(forward))
-            position = {op.name: j for j, op in enumerate(forward)}
-            kept: dict[str, tuple[Any, int]] = {}
-            for op in graph.get_operations()[len(forward) :]:
-                if op.type in _SHAPE_READERS:
-                    continue
-                for tensor in op.inputs:
-                    while tensor.op.type in _ALIASES:
-                        tensor = tensor.op.inputs[tensor.value_index if tensor.op.type == "IdentityN" else 0]
-                    j = position.get(tensor.op.name)
-                    if j is None or tensor.op.type in _NOT_ACTIVATIONS or tensor.dtype in (tf.resource, tf.string):
-                        continue
-                    kept[tensor.name] = (tensor, owner[j])
-            for tensor, unit in kept.values():
+            backward = graph.get_operations()[len(forward) :]
+            for tensor, unit in _kept_for_backward(forward, backward, recorder.owners(len(forward))):
                 if tensor.dtype == tf.variant:  # a while loop's accumulator: one element per step
                     dtype = _accumulated_dtype(tensor)
                     if dtype is not None:
@@ -490,10 +499,8 @@ def _measure_step(model: Any, units: list[tuple[str, Any]], batches: list[Any], 
             function = tf.function(step, input_signature=[tf.nest.map_structure(spec, batches[0])], autograph=False)
             results = [function(batches[0])]
         except Exception:  # a model that needs to know its batch size: trace it per batch
-            recorder.order.clear()
-            recorder.calls[:] = [0] * len(units)
-            recorder.outputs.clear()
-            recorder.spans.clear()
+            recorder.restore()
+            recorder = _CallRecorder(units)
             function = tf.function(step, autograph=False)
             results = [function(batches[0])]
         calls = list(recorder.calls)  # those of the first trace
