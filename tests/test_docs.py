@@ -12,6 +12,8 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,16 +31,28 @@ def snippets():
                 yield pytest.param(code, id=f"{doc.name}-{number}")
 
 
-@pytest.mark.parametrize("code", list(snippets()))
-def test_snippet_runs(code, tmp_path):
+def run_snippet(code: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     env.pop("TF_CONFIG", None)
-    command = [sys.executable, "-c", code]
-    if code.startswith("# run with: paraml launch"):  # a multi-worker script: run it the way it says
-        script = tmp_path / "train.py"
-        script.write_text(code)
-        command = [sys.executable, "-m", "paraml", "launch", "-n", "2", str(script)]
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    with tempfile.TemporaryDirectory() as cwd:
+        command = [sys.executable, "-c", code]
+        if code.startswith("# run with: paraml launch"):  # a multi-worker script: run it the way it says
+            script = Path(cwd) / "train.py"
+            script.write_text(code)
+            command = [sys.executable, "-m", "paraml", "launch", "-n", "2", str(script)]
+        return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.fixture(scope="module")
+def snippet_runs():
+    """Every snippet started at once, two at a time (a process spends its first seconds importing on one core)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {code: pool.submit(run_snippet, code) for code in (p.values[0] for p in snippets())}
+
+
+@pytest.mark.parametrize("code", list(snippets()))
+def test_snippet_runs(code, snippet_runs):
+    done = snippet_runs[code].result()
     assert done.returncode == 0, f"snippet failed:\n{code}\n--- output ---\n{done.stdout}\n{done.stderr[-3000:]}"
 
 
