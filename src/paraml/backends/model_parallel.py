@@ -111,6 +111,7 @@ class ModelParallelBackend(Backend):
         # micro-batch being traced: a stage's forward pass waits for the backward pass the schedule names.
         self._backward_done: dict[tuple[int, int], Any] = {}
         self._tracing: int | None = None
+        self._variable_stage: dict[int, int] = {}  # id of a variable's value -> the stage it lives on
         if schedule == "1f1b":
             # Each micro-batch's gradient is taken on its own; a gate cannot reach into a tf.cond's branch.
             self.capabilities = replace(
@@ -199,6 +200,7 @@ class ModelParallelBackend(Backend):
         device_of = {renamed[name]: device for name, device in stage_device.items()}
         self.placement = [(name, by_name[name], device_of[name]) for name in order]
         stage_of = {device: index for index, device in enumerate(devices)}
+        self._variable_stage = {id(v.value): stage_of[d] for _, layer, d in self.placement for v in layer.variables}
         for _, layer, device in self.placement:
             _stage_call(layer, device, lambda stage=stage_of[device]: self._gate(stage))
         return model
@@ -335,9 +337,6 @@ class ModelParallelBackend(Backend):
         names. The caller's tape sees one op whose gradient is the sum of the micro-batches' gradients, scaled by what
         flows back into the loss (the replica's division by the global batch, a loss scale)."""
         variables = model.trainable_variables
-        stage_of = {
-            id(v.value): self._stage_index(device) for _, layer, device in self.placement for v in layer.variables
-        }
         y_preds: list[Any] = []
         masks: list[list[Any]] = []
 
@@ -360,12 +359,13 @@ class ModelParallelBackend(Backend):
                     "over masked tokens is a mean over the whole batch's tokens; use schedule='gpipe'"
                 )
             grads = tape.gradient(rows_loss, variables)
-            for stage in range(self.schedule.stages):
-                done = [
-                    _values(g) for g, v in zip(grads, variables) if g is not None and stage_of.get(id(v.value)) == stage
-                ]
-                if done:
-                    self._backward_done[(stage, i)] = tf.group(*done)
+            by_stage: dict[int, list[Any]] = {}
+            for g, v in zip(grads, variables):
+                stage = self._variable_stage.get(id(v.value))
+                if g is not None and stage is not None:
+                    by_stage.setdefault(stage, []).append(_values(g))
+            for stage, done in by_stage.items():
+                self._backward_done[(stage, i)] = tf.group(*done)
             summed = grads if summed is None else [_add(a, g) for a, g in zip(summed, grads)]
             totals.append(part)
             y_preds.append(y_pred)
@@ -378,9 +378,6 @@ class ModelParallelBackend(Backend):
         surrogate = tf.add_n([_dot(g, v) for g, v in zip(summed or [], variables) if g is not None] or [tf.zeros(())])
         total += tf.stack([surrogate - tf.stop_gradient(surrogate), 0.0, 0.0])
         return total, concat_with_masks(y_preds, masks)
-
-    def _stage_index(self, device: str) -> int:
-        return list(self.topology.devices).index(device)
 
     def describe(self) -> str:
         devices = self.topology.devices
