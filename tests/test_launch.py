@@ -686,6 +686,7 @@ def test_restarts_run_out_and_the_last_failure_code_is_returned(tmp_path: Path) 
         + textwrap.dedent(
             """
         if INDEX == 1:
+            wait_for(f"pid0-r{RESTART}")  # the sibling of this run has started, so every run leaves its pid
             sys.exit(3 + RESTART)  # fails on every run, with a different code each time
         time.sleep(1000)
         """
