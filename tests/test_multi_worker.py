@@ -33,7 +33,7 @@ def two_workers(tmp_path_factory):
     out = tmp_path_factory.mktemp("mw")
     done = run_launch("-n", "2", str(SCRIPT), str(out))
     assert done.returncode == 0, done.stdout + done.stderr
-    return done, [np.load(out / f"worker{i}.npz") for i in range(2)]
+    return done, [np.load(out / f"worker{i}.npz") for i in range(2)], out
 
 
 def weights(saved, prefix):
@@ -41,25 +41,25 @@ def weights(saved, prefix):
 
 
 def test_launch_streams_prefixed_output(two_workers):
-    done, _ = two_workers
+    done, _, _ = two_workers
     assert "[worker 0] worker 0 of 2, chief=True, replicas=2" in done.stdout
     assert "[worker 1] worker 1 of 2, chief=False, replicas=2" in done.stdout
 
 
 def test_both_workers_end_with_identical_weights(two_workers):
-    _, (w0, w1) = two_workers
+    _, (w0, w1), _ = two_workers
     for a, b in zip(weights(w0, "final"), weights(w1, "final")):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(w0["predictions"], w1["predictions"])
 
 
 def test_multi_worker_equals_single_on_the_same_global_batches(two_workers):
-    _, (w0, _) = two_workers
+    _, (w0, _), _ = two_workers
     (x, y), (x_test, y_test) = load_digits()
     par = Parallel("single", seed=0)
     par.build(
         digits_model,
-        optimizer=keras.optimizers.SGD(0.1),
+        optimizer=keras.optimizers.Adam(0.01),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
@@ -73,8 +73,46 @@ def test_multi_worker_equals_single_on_the_same_global_batches(two_workers):
     assert float(w0["test_accuracy"]) == pytest.approx(par.evaluate(x_test, y_test, batch_size=100)["accuracy"])
 
 
+def test_sharded_optimizer_state_across_workers_trains_and_resumes_as_unsharded_mirrored(two_workers):
+    """The workers shard Adam's slots (shard_optimizer=True): each holds about half, the weights and losses equal
+    unsharded mirrored training on 2 devices, the chief's checkpoint holds every slot whole (it restores under
+    single), and a restore into the sharded workers trains on exactly."""
+    _, (w0, w1), out = two_workers
+    (x, y), _ = load_digits()
+    par = Parallel("mirrored", devices=2, seed=0)
+    par.build(
+        digits_model,
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    par.model.set_weights(weights(w0, "initial"))
+    history = par.fit(x, y, batch_size=64, epochs=2, verbose=0)
+    np.testing.assert_allclose(w0["loss"], history.history["loss"], rtol=1e-5)
+    for got, want in zip(weights(w0, "final"), par.model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    state = [v.numpy() for v in par.model.optimizer.variables]
+    one_copy = next(iter(par.memory_by_device().values()))["optimizer"]
+    shards = [int(w["optimizer_bytes"][0]) for w in (w0, w1)]  # each worker's one device
+    scalars = sum(v.nbytes for v in state if v.ndim == 0)  # the step count and learning rate, on every worker
+    assert sum(shards) - scalars == one_copy and max(shards) < 0.6 * one_copy
+
+    single = Parallel("single", seed=0)
+    single.build(
+        digits_model,
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    single.restore(out / "ckpt")
+    for got, want in zip(single.model.optimizer.variables, state):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-7)
+    par.fit(x, y, batch_size=64, epochs=3, initial_epoch=2, verbose=0)
+    for mine, other, want in zip(weights(w0, "resumed"), weights(w1, "resumed"), par.model.get_weights()):
+        np.testing.assert_array_equal(mine, other)
+        np.testing.assert_allclose(mine, want, rtol=1e-5, atol=1e-7)
+
+
 def test_a_models_own_train_step_runs_on_every_worker_as_in_keras(two_workers):
-    _, (w0, w1) = two_workers
+    _, (w0, w1), _ = two_workers
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         from own_step import own_step_model  # the workers' model

@@ -94,7 +94,9 @@ def test_owners_balance_bytes_and_bad_input_is_refused():
     with pytest.raises(ValueError, match="shard_optimizer must be True or False, got 'yes'"):
         Parallel("mirrored", devices=2, shard_optimizer="yes")
     for strategy in ("single", "central_storage", "model_parallel"):
-        with pytest.raises(ValueError, match=r"unknown option 'shard_optimizer' .*only 'mirrored' shards"):
+        with pytest.raises(
+            ValueError, match=r"unknown option 'shard_optimizer' .*only 'mirrored' and 'multi_worker' shard"
+        ):
             Parallel(strategy, shard_optimizer=True)
 
 

@@ -23,7 +23,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +36,7 @@ import tensorflow as tf
 from .checks import check_int
 from .compiling import extra_optimizers
 from .preemption import Preempted, PreemptionGuard
+from .zero import restorable_state, whole_state
 
 if TYPE_CHECKING:  # pragma: no cover
     from .training import Trainer
@@ -67,11 +68,13 @@ def _seed_states(model: keras.Model) -> list[Any]:
     return [v for v in model.variables if v.path.endswith("seed_generator_state")]
 
 
-def _trackables(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> dict[str, Any]:
+def _trackables(model: keras.Model, optimizer: keras.optimizers.Optimizer, state: Sequence[Any]) -> dict[str, Any]:
+    """What a checkpoint holds, by key; ``state`` is the optimizer's variables as saved or restored (None: another
+    worker's slot, :mod:`paraml.zero`)."""
     tracked: dict[str, Any] = {f"model_{i:05d}": v.value for i, v in enumerate(model.weights)}
     # Without them, a resumed run would draw the random numbers of its first steps again.
     tracked.update({f"seed_{i:05d}": v.value for i, v in enumerate(_seed_states(model))})
-    tracked.update({f"optimizer_{i:05d}": v.value for i, v in enumerate(optimizer.variables)})
+    tracked.update({f"optimizer_{i:05d}": v for i, v in enumerate(state) if v is not None})
     # Other optimizers of the model (a GAN's d_optimizer and g_optimizer) create their variables at their first
     # update, after a resume has read the checkpoint: their list of variables (a TensorFlow trackable list) is saved,
     # so that a restore fills each variable, by position, when it is created.
@@ -83,7 +86,8 @@ def _trackables(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> di
 def _names(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> dict[str, tuple[str, tuple[int, ...]]]:
     """checkpoint key -> (the variable's path in this model, its shape), for error messages."""
     named = {f"model_{i:05d}": (v.path, tuple(v.shape)) for i, v in enumerate(model.weights)}
-    named.update({f"optimizer_{i:05d}": (v.path, tuple(v.shape)) for i, v in enumerate(optimizer.variables)})
+    shapes = [shape for _, shape in restorable_state(optimizer)]  # whole, even where sharded
+    named.update({f"optimizer_{i:05d}": (v.path, shapes[i]) for i, v in enumerate(optimizer.variables)})
     return named
 
 
@@ -118,7 +122,7 @@ def save_checkpoint(
     """
     check_int("keep", keep, none_ok=True)
     checkpoint = tf.train.Checkpoint(
-        **_trackables(model, optimizer),
+        **_trackables(model, optimizer, whole_state(optimizer)),
         progress=tf.Variable(np.array([state.epoch, state.step, state.seed], np.int64), trainable=False),
         optimizer_class=tf.Variable(type(optimizer).__name__, trainable=False),
     )
@@ -222,7 +226,10 @@ def restore_checkpoint(
         )
     progress = tf.Variable(np.zeros(3, np.int64), trainable=False)
     # A checkpoint written before paraml saved seed states has none: those keep their values.
-    tracked = {k: v for k, v in _trackables(model, optimizer).items() if not k.startswith("seed_") or k in stored}
+    state = [variable for variable, _ in restorable_state(optimizer)]
+    tracked = {
+        k: v for k, v in _trackables(model, optimizer, state).items() if not k.startswith("seed_") or k in stored
+    }
     checkpoint = tf.train.Checkpoint(**tracked, progress=progress)
     # optimizer_class was checked above; it is not a variable of this model, so it is not restored (expect_partial:
     # TensorFlow would otherwise warn about it, twice, when the status is deleted). Variables of other optimizers not

@@ -146,7 +146,14 @@ def _compile_keras(backend: Backend, model: keras.Model, compile_args: dict[str,
             config = {**optimizer.get_config(), "gradient_accumulation_steps": None}
             optimizer = optimizer.__class__.from_config(config)
         if backend.capabilities.shards_optimizer:
-            optimizer = sharded_optimizer(optimizer, model.trainable_variables, backend.topology.devices)
+            topology = backend.topology
+            optimizer = sharded_optimizer(
+                optimizer,
+                model.trainable_variables,
+                topology.devices,
+                num_workers=topology.num_workers,
+                worker_index=topology.worker_index,
+            )
         if compile_args.get("auto_scale_loss", True) and model.dtype_policy.name == "mixed_float16":
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)  # as compile would, but under the strategy
         problem = backend.capabilities.loss_scaling_problem

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import keras
+import tensorflow as tf
 
 from . import backends
 from .auto import AUTO_OPTIONS, AutoChoice
@@ -39,8 +40,8 @@ COMMON_OPTIONS = ("seed", "steps_per_execution", "jit_compile", "remat")
 
 #: Why an option of one strategy means nothing under the others (said when it is given to them).
 _NOT_HERE = {
-    "shard_optimizer": " (only 'mirrored' shards optimizer state: it keeps a copy per device, which 'single', "
-    "'central_storage' and 'model_parallel' do not; not yet under 'multi_worker')",
+    "shard_optimizer": " (only 'mirrored' and 'multi_worker' shard optimizer state: they keep a copy per device, "
+    "which 'single', 'central_storage' and 'model_parallel' do not)",
     "schedule": " (a pipeline schedule: only 'model_parallel' pipelines)",
 }
 
@@ -511,12 +512,15 @@ class Parallel:
         """Save weights, optimizer state, the epochs done and the shuffling seed into the directory ``path``.
 
         The write is atomic (a crash during ``save`` leaves the previous checkpoint readable), in TensorFlow's
-        checkpoint format, and restores under any backend. Under ``multi_worker`` every worker calls it and only
-        the chief's copy is kept. Returns the new checkpoint's folder.
+        checkpoint format, and restores under any backend. Under ``multi_worker`` every worker calls it, only the
+        chief's copy is kept, and every worker returns once it is complete. Returns the new checkpoint's folder.
         """
         trainer = self._ready("save")
         state = CheckpointState(self._epochs_done, 0, self.seed or 0)
-        return save_checkpoint(path, trainer.model, trainer.optimizer, state, keep=keep, write=self.is_chief)
+        folder = save_checkpoint(path, trainer.model, trainer.optimizer, state, keep=keep, write=self.is_chief)
+        if self.num_workers > 1:  # a collective: the others wait for the chief's write (they may restore it next)
+            trainer.backend.across_workers(tf.constant(0))
+        return folder
 
     def restore(self, path: str | os.PathLike[str]) -> CheckpointState:
         """Load a checkpoint written by :meth:`save` (under any backend) into the built model and its optimizer.

@@ -1,19 +1,24 @@
-"""Optimizer state sharded over the replicas (ZeRO stage 1): ``Parallel("mirrored", shard_optimizer=True)``.
+"""Optimizer state sharded over the replicas (ZeRO stage 1): ``shard_optimizer=True`` under ``mirrored`` and
+``multi_worker``.
 
-Under ``MirroredStrategy`` every device holds a copy of every variable and of every optimizer slot (Adam's two
-moments: 8 of the 16 bytes per fp32 parameter). Here each trainable variable gets one **owner** device (owners
-balanced by bytes, largest variables first, :func:`owners`), its slots live only there, and only the owner runs the
-optimizer's update for it; the new value then reaches every replica (an assignment to the mirrored variable: a
-broadcast). Gradients are all-reduced as before, so the communication is that of plain data parallelism.
+Under data parallelism every device holds a copy of every variable and of every optimizer slot (Adam's two
+moments: 8 of the 16 bytes per fp32 parameter). Here each trainable variable gets one **owner** replica (owners
+balanced by bytes, largest variables first, :func:`owners`; the replicas of every worker, worker after worker), its
+slots live only there, and only the owner runs the optimizer's update for it. The new values then reach every
+replica: on one machine an assignment to the mirrored variable (a broadcast); across workers one all-gather of the
+values each replica updated. Gradients are all-reduced as before, so one machine communicates as plain data
+parallelism does, and several workers 1.5 times as much (an all-reduce and an all-gather).
 
 The optimizer is the user's Keras optimizer class, subclassed at run time (:func:`sharded_optimizer`) in two places
-only: where a slot is created (on the owner, as a plain variable) and where Keras' TensorFlow optimizer hands each
-variable to the strategy for its update (on the owner's copy, then a broadcast). Everything else is Keras' own code:
-the update rule (Adam, AdamW's weight decay, momentum, Nesterov...), the learning-rate schedule, clipping, EMA, a
-``LossScaleOptimizer`` around it, and sparse (``IndexedSlices``) gradients. So the weights equal unsharded training.
+only: where a slot is created (on its owner, as a plain variable; on another worker, as an empty placeholder that
+keeps the slots' positions) and where Keras' TensorFlow optimizer hands each variable to the strategy for its update.
+Everything else is Keras' own code: the update rule (Adam, AdamW's weight decay, momentum, Nesterov...), the
+learning-rate schedule, clipping, a ``LossScaleOptimizer`` around it, sparse (``IndexedSlices``) gradients. So the
+weights equal unsharded training.
 
-Checkpoints hold the slots by position, as for any optimizer: a sharded run restores on any backend and the other
-way round.
+Checkpoints hold every slot whole, by position, as for any optimizer: :func:`whole_state` gathers the other workers'
+slots for a save (into every worker's host memory, for the save's duration) and :func:`restorable_state` leaves them
+out of a restore, so a sharded run restores on any backend, device count or sharding, and the other way round.
 
 Importing this module is cheap (:func:`owners` is plain Python); TensorFlow is imported when an optimizer is sharded.
 """
@@ -21,12 +26,13 @@ Importing this module is cheap (:func:`owners` is plain Python); TensorFlow is i
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     import keras
 
-__all__ = ["owners", "sharded_optimizer"]
+__all__ = ["owners", "restorable_state", "sharded_optimizer", "whole_state"]
 
 
 def owners(sizes: Sequence[int], num_devices: int) -> list[int]:
@@ -45,6 +51,20 @@ def owners(sizes: Sequence[int], num_devices: int) -> list[int]:
     return found
 
 
+@dataclass(frozen=True)
+class _Slot:
+    """A sharded slot's whole shape and dtype, the replica that owns it (global index), and whether this worker
+    holds it (else it is an empty placeholder)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    owner: int
+    here: bool
+
+
+_SLOT = "_paraml_slot"  # the attribute that marks a sharded slot
+
+
 def _plain_variable_on(device: str) -> Callable[..., Any]:
     """A variable creator that makes a plain (not mirrored) variable on ``device``, inside a strategy's scope."""
     import tensorflow as tf
@@ -60,11 +80,50 @@ def _plain_variable_on(device: str) -> Callable[..., Any]:
     return create
 
 
+def _all_gather(
+    strategy: Any,
+    parts: Sequence[Sequence[tuple[int, tuple[int, ...]]]],
+    read: Callable[[int, int], Any],
+    dtype: Any,
+) -> dict[int, Any]:
+    """Every replica's tensors, whole on every replica, by key. ``parts[r]`` names (key, shape) of what replica ``r``
+    (global index) holds; ``read(r, key)`` reads one of this worker's. One all-gather: each replica's part flattened,
+    concatenated and padded to the longest part."""
+    import tensorflow as tf
+
+    sizes = [sum(int(tf.TensorShape(shape).num_elements()) for _, shape in part) for part in parts]
+    longest = max(sizes)
+
+    def padded(context: Any) -> Any:
+        r = context.replica_id_in_sync_group
+        flat = [tf.reshape(read(r, key), [-1]) for key, _ in parts[r]]
+        joined = tf.concat(flat, 0) if flat else tf.zeros([0], dtype)
+        return tf.pad(joined, [[0, longest - sizes[r]]])
+
+    gathered = strategy.gather(strategy.experimental_distribute_values_from_function(padded), axis=0)
+    whole = {}
+    for r, part in enumerate(parts):
+        offset = r * longest
+        for key, shape in part:
+            size = int(tf.TensorShape(shape).num_elements())
+            whole[key] = tf.reshape(gathered[offset : offset + size], shape)
+            offset += size
+    return whole
+
+
 def sharded_optimizer(
-    optimizer: keras.optimizers.Optimizer, variables: Sequence[Any], devices: Sequence[str]
+    optimizer: keras.optimizers.Optimizer,
+    variables: Sequence[Any],
+    devices: Sequence[str],
+    *,
+    num_workers: int = 1,
+    worker_index: int = 0,
 ) -> keras.optimizers.Optimizer:
     """A copy of ``optimizer`` (created in the strategy's scope, like the original) whose slots for ``variables``
-    live on their owners among ``devices`` (the strategy's, in its order), and whose updates run there.
+    live on their owners among the replicas, and whose updates run there.
+
+    ``devices`` are this worker's replicas (the strategy's, in its order); each of the ``num_workers`` workers has as
+    many, and this one is ``worker_index``.
 
     Raises:
         ValueError: for an optimizer Keras' TensorFlow backend does not step through its strategy (it has no
@@ -78,29 +137,52 @@ def sharded_optimizer(
             f"shard_optimizer=True cannot shard {base.__name__}: it does not update its variables one by one "
             "through the strategy as Keras' TensorFlow optimizers do; use shard_optimizer=False"
         )
+    local = len(devices)
+    first = worker_index * local  # this worker's first replica, globally
+    replicas = num_workers * local
     sizes = [int(v.value.shape.num_elements()) * v.value.dtype.size for v in variables]
-    owner_of = {id(v.value): devices[d] for v, d in zip(variables, owners(sizes, len(devices)))}
-    index_of = {device: i for i, device in enumerate(devices)}
+    owner_of = {id(v.value): r for v, r in zip(variables, owners(sizes, replicas))}
 
     def add_variable_from_reference(self: Any, reference_variable: Any, *args: Any, **kwargs: Any) -> Any:
         owner = owner_of.get(id(getattr(reference_variable, "value", reference_variable)))
         if owner is None:  # not a sharded variable: as Keras makes it
             return base.add_variable_from_reference(self, reference_variable, *args, **kwargs)
-        with tf.variable_creator_scope(_plain_variable_on(owner)):
-            return base.add_variable_from_reference(self, reference_variable, *args, **kwargs)
+        here = first <= owner < first + local
+        with tf.variable_creator_scope(_plain_variable_on(devices[owner - first if here else 0])):
+            if here:
+                slot = base.add_variable_from_reference(self, reference_variable, *args, **kwargs)
+            else:  # another worker's: nothing but a place in the optimizer's list
+                name = kwargs.get("name", args[0] if args else None)
+                slot = self.add_variable((0,), dtype=reference_variable.dtype, name=name)
+        setattr(slot, _SLOT, _Slot(tuple(reference_variable.shape), reference_variable.dtype, owner, here))
+        return slot
 
     def _distributed_tf_update_step(self: Any, distribution: Any, grads_and_vars: Any, learning_rate: Any) -> None:
+        updated = []  # (mirrored variable, owner)
         for grad, var in grads_and_vars:
             owner = owner_of.get(id(var))
             if owner is None:
                 base._distributed_tf_update_step(self, distribution, [(grad, var)], learning_rate)
                 continue
-            index = index_of[owner]
-            copy = var.values[index]  # the owner's copy of the mirrored variable
-            with tf.device(owner):
-                self.update_step(distribution.experimental_local_results(grad)[index], copy, learning_rate)
-                updated = tf.identity(copy)
-            var.assign(updated)  # every replica gets the owner's result
+            if first <= owner < first + local:
+                with tf.device(devices[owner - first]):
+                    grads = distribution.experimental_local_results(grad)
+                    self.update_step(grads[owner - first], var.values[owner - first], learning_rate)
+            updated.append((var, owner))
+        if num_workers == 1:
+            for var, owner in updated:  # every replica gets the owner's result
+                with tf.device(devices[owner]):
+                    value = tf.identity(var.values[owner])
+                var.assign(value)
+            return
+        for dtype in sorted({var.dtype for var, _ in updated}, key=str):
+            parts = [
+                [(i, tuple(var.shape)) for i, (var, o) in enumerate(updated) if o == r and var.dtype == dtype]
+                for r in range(replicas)
+            ]
+            whole = _all_gather(distribution, parts, lambda r, i: updated[i][0].values[r - first], dtype)
+            for i, value in whole.items():
+                updated[i][0].assign(value)
 
     sharded = type(
         base.__name__,
@@ -113,3 +195,44 @@ def sharded_optimizer(
         },
     )
     return sharded.from_config(optimizer.get_config())
+
+
+def _slots(optimizer: Any) -> list[_Slot | None]:
+    return [getattr(v, _SLOT, None) for v in optimizer.variables]
+
+
+def whole_state(optimizer: keras.optimizers.Optimizer) -> list[Any]:
+    """``optimizer.variables`` as a checkpoint stores them: each slot whole.
+
+    A slot held by another worker (``multi_worker`` with ``shard_optimizer=True``) is gathered from it into a
+    temporary variable on the host: every worker must call this together (it is a collective).
+    """
+    variables, slots = optimizer.variables, _slots(optimizer)
+    values = [v.value for v in variables]
+    if all(s is None for s in slots):
+        return values
+    strategy = optimizer._distribution_strategy
+    replicas = int(strategy.num_replicas_in_sync)
+    if replicas == len(strategy.extended.worker_devices):
+        return values  # one worker holds every slot (the same answer on every worker: no one gathers)
+    import tensorflow as tf
+
+    for dtype in sorted({s.dtype for s in slots if s is not None}, key=str):
+        parts = [
+            [(i, s.shape) for i, s in enumerate(slots) if s is not None and s.owner == r and s.dtype == dtype]
+            for r in range(replicas)
+        ]
+        whole = _all_gather(strategy, parts, lambda r, i: variables[i].value, dtype)
+        with tf.device("/device:CPU:0"):
+            for i, value in whole.items():
+                values[i] = tf.Variable(value, trainable=False)
+    return values
+
+
+def restorable_state(optimizer: keras.optimizers.Optimizer) -> list[tuple[Any | None, tuple[int, ...]]]:
+    """Each of ``optimizer.variables`` as a restore fills it, by position: the variable (None where the slot is
+    another worker's) and its whole shape."""
+    return [
+        (v.value, tuple(v.shape)) if s is None else (v.value if s.here else None, s.shape)
+        for v, s in zip(optimizer.variables, _slots(optimizer))
+    ]

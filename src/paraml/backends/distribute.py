@@ -28,7 +28,12 @@ class StrategyBackend(Backend):
     """A backend that is a ``tf.distribute.Strategy``; subclasses only say how to build the strategy."""
 
     def __init__(self, devices: DeviceSpec = None, **options: Any) -> None:
+        shard = options.get("shard_optimizer", False)
+        if not isinstance(shard, bool):
+            raise ValueError(f"shard_optimizer must be True or False, got {shard!r}")
         super().__init__(devices, **options)
+        if shard:  # an option only the data-parallel backends that copy the state per replica name
+            self.capabilities = dataclasses.replace(self.capabilities, shards_optimizer=True)
         self.strategy: tf.distribute.Strategy = self.make_strategy(devices)
         self.topology = self.make_topology()
 
@@ -97,14 +102,6 @@ class MirroredBackend(StrategyBackend):
     """
 
     option_names = ("shard_optimizer",)
-
-    def __init__(self, devices: DeviceSpec = None, **options: Any) -> None:
-        shard = options.get("shard_optimizer", False)
-        if not isinstance(shard, bool):
-            raise ValueError(f"shard_optimizer must be True or False, got {shard!r}")
-        super().__init__(devices, **options)
-        if shard:
-            self.capabilities = dataclasses.replace(self.capabilities, shards_optimizer=True)
 
     def make_strategy(self, devices: DeviceSpec) -> tf.distribute.Strategy:
         _new_collective_key_range(tf.distribute.MirroredStrategy)
@@ -210,7 +207,8 @@ class MultiWorkerBackend(StrategyBackend):
     The cluster comes from ``TF_CONFIG`` (``paraml launch`` sets it for local runs) or from the option
     ``cluster_resolver`` (any ``tf.distribute.cluster_resolver`` object, e.g. ``SlurmClusterResolver``).
     ``communication`` is ``"auto"``, ``"ring"`` or ``"nccl"``. Each worker uses its local devices (every GPU, else
-    the CPU). Create it at program start: TensorFlow must not have initialised its devices yet.
+    the CPU). Create it at program start: TensorFlow must not have initialised its devices yet. Option
+    ``shard_optimizer=True`` keeps each variable's optimizer slots on one replica of one worker (:mod:`paraml.zero`).
 
     Each worker::
 
@@ -221,7 +219,7 @@ class MultiWorkerBackend(StrategyBackend):
             par.model.save_weights("model.weights.h5")
     """
 
-    option_names = ("cluster_resolver", "communication")
+    option_names = ("cluster_resolver", "communication", "shard_optimizer")
 
     def make_strategy(self, devices: DeviceSpec) -> tf.distribute.Strategy:
         if devices is not None:
