@@ -177,10 +177,10 @@ def test_resuming_from_storage_the_workers_do_not_share_fails_clearly(tmp_path):
 TUTORIAL = Path(__file__).parent / "scripts" / "multi_worker_tutorial.py"
 
 
-def test_tutorial_flow_survives_a_killed_worker_and_a_sigterm(tmp_path):
+def test_tutorial_flow_survives_a_sigterm(tmp_path):
     """TF's multi-worker tutorial (infinite shuffled dataset, steps_per_epoch, checkpoint_dir) on 2 workers: a SIGTERM
-    to one worker stops both at the same step with exit 143; a worker killed at the start of epoch 2 fails the launch
-    without a hang; each rerun resumes where the checkpoint says and both workers end with the uninterrupted weights."""
+    to one worker stops both at the same step with exit 143; the rerun resumes where the checkpoint says and both
+    workers end with the uninterrupted weights. (A killed worker's launch: tests/test_launch.py.)"""
     reference = tmp_path / "reference"
     reference.mkdir()
     done = run_launch("-n", "2", str(TUTORIAL), str(reference))
@@ -196,15 +196,14 @@ def test_tutorial_flow_survives_a_killed_worker_and_a_sigterm(tmp_path):
         assert steps[-1] == 15, stopped.stdout
     saved = [line.split("] ", 1)[1] for line in stopped.stdout.splitlines() if "checkpoint saved to" in line]
     assert len(saved) == 2 and len(set(saved)) == 1, saved  # every worker names the chief's checkpoint
-    killed = run_launch("-n", "2", str(TUTORIAL), str(out), "--kill-at-epoch", "2")
-    assert killed.returncode != 0
-    assert "[worker 0] epoch 1 begins" in killed.stdout  # resumed mid epoch 1, then ran on to epoch 2
     resumed = run_launch("-n", "2", str(TUTORIAL), str(out))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     said = [line.split("] ", 1)[1] for line in resumed.stdout.splitlines() if "paraml: resumed from" in line]
     assert len(said) == 2 and len(set(said)) == 1, said  # once per worker, the same checkpoint
     epochs = [line for line in resumed.stdout.splitlines() if line.startswith("[worker 0] epoch")]
-    assert epochs == ["[worker 0] epoch 2 begins", "[worker 0] epoch 3 begins"]
+    assert epochs == ["[worker 0] epoch 1 begins", "[worker 0] epoch 2 begins", "[worker 0] epoch 3 begins"]
+    first = [line for line in resumed.stdout.splitlines() if line.startswith("[worker 0] step")][0]
+    assert first == "[worker 0] step 15", first  # mid epoch 1, at the step after the one the signal stopped
     for i in range(2):
         got = np.load(out / f"w{i}.npz")
         for key in want[i].files:

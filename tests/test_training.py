@@ -121,10 +121,14 @@ def test_regression_metrics_and_loss_strings(data_1001):
     assert result["mae"] == pytest.approx(float(np.mean(np.abs(predictions - target))), rel=1e-4)
 
 
-def test_demo_trains_every_backend_to_90_percent():
+def test_demo_trains_every_backend_to_90_percent_in_6_epochs():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     done = subprocess.run(
-        [sys.executable, "-m", "paraml", "demo", "--devices", "2"], capture_output=True, text=True, timeout=300, env=env
+        [sys.executable, "-m", "paraml", "demo", "--devices", "2", "--epochs", "6"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [line.split() for line in done.stdout.splitlines() if line[:1].isalpha() and len(line.split()) == 5]

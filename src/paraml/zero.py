@@ -87,27 +87,34 @@ def _all_gather(
     dtype: Any,
 ) -> dict[int, Any]:
     """Every replica's tensors, whole on every replica, by key. ``parts[r]`` names (key, shape) of what replica ``r``
-    (global index) holds; ``read(r, key)`` reads one of this worker's. One all-gather: each replica's part flattened,
-    concatenated and padded to the longest part."""
+    (global index) holds; ``read(r, key)`` reads one of this worker's.
+
+    One all-gather per round: round k gathers the k-th largest tensor of each replica, flattened and padded to the
+    round's largest. So a round holds at most replicas x one tensor beyond the variables (one concatenated gather of
+    everything held about as much again as the whole state: measured, it ate most of what sharding saves).
+    """
     import tensorflow as tf
 
-    sizes = [sum(int(tf.TensorShape(shape).num_elements()) for _, shape in part) for part in parts]
-    longest = max(sizes)
+    def size(shape: tuple[int, ...]) -> int:
+        return int(tf.TensorShape(shape).num_elements())
 
-    def padded(context: Any) -> Any:
-        r = context.replica_id_in_sync_group
-        flat = [tf.reshape(read(r, key), [-1]) for key, _ in parts[r]]
-        joined = tf.concat(flat, 0) if flat else tf.zeros([0], dtype)
-        return tf.pad(joined, [[0, longest - sizes[r]]])
-
-    gathered = strategy.gather(strategy.experimental_distribute_values_from_function(padded), axis=0)
+    ordered = [sorted(part, key=lambda item: -size(item[1])) for part in parts]
     whole = {}
-    for r, part in enumerate(parts):
-        offset = r * longest
-        for key, shape in part:
-            size = int(tf.TensorShape(shape).num_elements())
-            whole[key] = tf.reshape(gathered[offset : offset + size], shape)
-            offset += size
+    for k in range(max(len(part) for part in ordered)):
+        held = [part[k] if k < len(part) else None for part in ordered]
+        longest = max(size(item[1]) if item else 0 for item in held)
+
+        def padded(context: Any, held: Any = held, longest: int = longest) -> Any:
+            item = held[context.replica_id_in_sync_group]
+            flat = tf.reshape(read(context.replica_id_in_sync_group, item[0]), [-1]) if item else tf.zeros([0], dtype)
+            short = longest - (size(item[1]) if item else 0)
+            return tf.pad(flat, [[0, short]]) if short else flat
+
+        gathered = strategy.gather(strategy.experimental_distribute_values_from_function(padded), axis=0)
+        for r, item in enumerate(held):
+            if item is not None:
+                key, shape = item
+                whole[key] = tf.reshape(gathered[r * longest : r * longest + size(shape)], shape)
     return whole
 
 

@@ -1,8 +1,7 @@
 """TensorFlow's "Multi-worker training with Keras" flow on paraml: an infinite shuffled, repeated dataset,
 ``epochs=4, steps_per_epoch=10, checkpoint_dir=...``. Run with ``paraml launch -n 2``.
 
-Usage: multi_worker_tutorial.py OUT_DIR [--kill-at-epoch E] [--sigterm-at STEP]
-- ``--kill-at-epoch E``: worker 1 SIGKILLs itself at the start of epoch E.
+Usage: multi_worker_tutorial.py OUT_DIR [--sigterm-at STEP]
 - ``--sigterm-at S``: worker 1 sends itself SIGTERM after global step S (0-based), as a scheduler would.
 Prints "epoch E begins" and "step S"; each worker saves its final weights to OUT_DIR/w{index}.npz.
 """
@@ -15,7 +14,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
-parser.add_argument("--kill-at-epoch", type=int, default=-1)
 parser.add_argument("--sigterm-at", type=int, default=-1)
 args = parser.parse_args()
 
@@ -35,8 +33,6 @@ class Faults(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
         print(f"epoch {epoch} begins", flush=True)
-        if epoch == args.kill_at_epoch and par.worker_index == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_batch_end(self, batch, logs=None):
         step = self.epoch * 10 + batch
