@@ -66,7 +66,11 @@ def list_devices(device_type: str | None = None) -> tuple[str, ...]:
     '/device:CPU:0'
     """
     kind = (device_type or _accelerator_type()).upper()
-    return tuple(canonical_device(d.name) for d in tf.config.list_logical_devices(kind))
+    found = [tf.DeviceSpec.from_string(d.name) for d in tf.config.list_logical_devices(kind)]
+    if len({(d.job, d.task) for d in found}) > 1:  # a worker of a cluster also lists the other workers' devices
+        here = tf.DeviceSpec.from_string(tf.identity(0).device)  # an op runs in this process
+        found = [d for d in found if (d.job, d.task) == (here.job, here.task)]
+    return tuple(canonical_device(d.to_string()) for d in found)
 
 
 def simulate_devices(n: int, memory_limit_mb: int | None = None) -> tuple[str, ...]:
@@ -75,7 +79,8 @@ def simulate_devices(n: int, memory_limit_mb: int | None = None) -> tuple[str, .
     With no GPU, the CPU becomes ``n`` logical CPUs; with GPUs, each physical GPU becomes ``n`` virtual GPUs (of
     ``memory_limit_mb`` each, default 1024). Call it at program start, before anything touches TensorFlow's
     devices. Calling it again with the same ``n`` is harmless; asking for another layout once TensorFlow has
-    initialised its devices raises ``RuntimeError`` (TensorFlow cannot change it any more).
+    initialised its devices raises ``RuntimeError`` (TensorFlow cannot change it any more). It initialises nothing
+    itself, so a ``Parallel("multi_worker")`` or a ``model_parallel`` worker of a cluster may follow it.
 
     Returns the canonical names of the resulting devices.
 
@@ -100,7 +105,9 @@ def simulate_devices(n: int, memory_limit_mb: int | None = None) -> tuple[str, .
                 f"paraml.simulate_devices({n}) at the start of the program (in tests: in conftest.py), before "
                 "creating tensors, models or strategies."
             ) from None
-    return list_devices(kind)
+    # Named, not listed: listing logical devices initialises them, after which a multi-worker strategy (created
+    # next, in a worker of `paraml launch`) can no longer configure its collectives.
+    return tuple(f"/device:{kind}:{i}" for i in range(n * len(physical)))
 
 
 def ensure_devices(n: int) -> tuple[str, ...]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -21,7 +21,16 @@ from ..devices import canonical_device, resolve_devices
 from .base import Backend, Capabilities, DeviceSpec, Layout, Topology
 from .registry import register
 
-__all__ = ["CentralStorageBackend", "MirroredBackend", "MultiWorkerBackend", "SingleBackend", "StrategyBackend"]
+__all__ = [
+    "CentralStorageBackend",
+    "MirroredBackend",
+    "MultiWorkerBackend",
+    "SingleBackend",
+    "StrategyBackend",
+    "multi_worker_strategy",
+    "new_collective_key_range",
+    "workers",
+]
 
 
 class StrategyBackend(Backend):
@@ -60,6 +69,14 @@ class StrategyBackend(Backend):
 
     def gather(self, value: Any) -> tf.Tensor:
         return self.strategy.gather(value, axis=0)
+
+    def across_workers(self, value: tf.Tensor) -> tf.Tensor:
+        if self.topology.num_workers == 1:
+            return super().across_workers(value)
+        per_replica = self.strategy.run(lambda: tf.expand_dims(tf.identity(value), 0))
+        # One row per replica, worker after worker: keep each worker's first.
+        per_worker = int(self.strategy.num_replicas_in_sync) // self.topology.num_workers
+        return self.strategy.gather(per_replica, axis=0)[::per_worker]
 
 
 @register("single")
@@ -104,16 +121,16 @@ class MirroredBackend(StrategyBackend):
     option_names = ("shard_optimizer",)
 
     def make_strategy(self, devices: DeviceSpec) -> tf.distribute.Strategy:
-        _new_collective_key_range(tf.distribute.MirroredStrategy)
+        new_collective_key_range(tf.distribute.MirroredStrategy)
         strategy = tf.distribute.MirroredStrategy(list(resolve_devices(devices)))
-        _new_collective_key_range(tf.distribute.MirroredStrategy)  # and keep later strategies off this one's keys
+        new_collective_key_range(tf.distribute.MirroredStrategy)  # and keep later strategies off this one's keys
         return strategy
 
 
 _KEY_RANGE = 100_000
 
 
-def _new_collective_key_range(strategy_class: type) -> None:
+def new_collective_key_range(strategy_class: type) -> None:
     """Give the next strategy of ``strategy_class`` collective keys no earlier instance used.
 
     Every MirroredStrategy numbers its collective groups from the same start, so a second one over a different set
@@ -227,45 +244,67 @@ class MultiWorkerBackend(StrategyBackend):
                 f"strategy 'multi_worker' uses each worker's local devices, got devices={devices!r}: leave devices "
                 "unset and choose a worker's devices with CUDA_VISIBLE_DEVICES (or tf.config.set_visible_devices)"
             )
-        communication = check_choice("communication", self.options.get("communication", "auto"), _COMMUNICATION)
-        resolver = self.options.get("cluster_resolver")
-        if resolver is None:
-            cluster = parse_tf_config()
-            if cluster is None:
-                raise ClusterConfigError(
-                    "strategy 'multi_worker' needs a cluster: TF_CONFIG is not set. Start the script with "
-                    "`paraml launch -n 2 script.py` (it sets TF_CONFIG), set TF_CONFIG yourself, or pass "
-                    "cluster_resolver="
-                )
-            if cluster.num_workers > 1:  # TensorFlow's own wait for the others can be ended by nothing
-                wait_for_workers(cluster, connect_timeout())
-        elif not isinstance(resolver, tf.distribute.cluster_resolver.ClusterResolver):
-            raise ValueError(f"cluster_resolver must be a tf.distribute.cluster_resolver object, got {resolver!r}")
-        implementation = getattr(tf.distribute.experimental.CommunicationImplementation, _COMMUNICATION[communication])
-        try:
-            # Must run before anything initialises TensorFlow's devices: the strategy configures them.
-            return tf.distribute.MultiWorkerMirroredStrategy(
-                cluster_resolver=resolver,
-                communication_options=tf.distribute.experimental.CommunicationOptions(implementation=implementation),
-            )
-        except RuntimeError as error:
-            raise RuntimeError(
-                f"could not start MultiWorkerMirroredStrategy ({error}); create Parallel('multi_worker') at program "
-                "start, before anything creates tensors or lists devices"
-            ) from None
+        return multi_worker_strategy(self.options, "multi_worker")
 
     def make_topology(self) -> Topology:
-        resolver = self.strategy.cluster_resolver
-        spec = resolver.cluster_spec()
-        jobs = {job: spec.num_tasks(job) for job in ("chief", "worker") if job in spec.jobs}
-        index = global_worker_index(resolver.task_type, int(resolver.task_id), has_chief="chief" in jobs)
-        return dataclasses.replace(super().make_topology(), num_workers=sum(jobs.values()), worker_index=index)
-
-    def across_workers(self, value: tf.Tensor) -> tf.Tensor:
-        per_replica = self.strategy.run(lambda: tf.expand_dims(tf.identity(value), 0))
-        # One row per replica, worker after worker: keep each worker's first.
-        return self.strategy.gather(per_replica, axis=0)[:: len(self.topology.devices)]
+        return dataclasses.replace(super().make_topology(), **workers(self.strategy))
 
     def describe(self) -> str:
         t = self.topology
         return f"multi_worker: worker {t.worker_index} of {t.num_workers}, " + super().describe()
+
+
+def multi_worker_strategy(
+    options: Mapping[str, Any], strategy: str, *, one_replica: bool = False
+) -> tf.distribute.MultiWorkerMirroredStrategy:
+    """TensorFlow's ``MultiWorkerMirroredStrategy`` for the cluster of ``options`` (``cluster_resolver``, else
+    ``TF_CONFIG``) and its ``communication``; ``strategy`` names the caller in errors. ``one_replica``: one replica
+    per worker, on its first device (a pipeline over the worker's devices), instead of one per local GPU.
+
+    Must run before anything initialises TensorFlow's devices: the strategy configures them.
+    """
+    communication = check_choice("communication", options.get("communication", "auto"), _COMMUNICATION)
+    resolver = options.get("cluster_resolver")
+    if resolver is None:
+        cluster = parse_tf_config()
+        if cluster is None:
+            raise ClusterConfigError(
+                f"strategy {strategy!r} needs a cluster: TF_CONFIG is not set. Start the script with "
+                "`paraml launch -n 2 script.py` (it sets TF_CONFIG), set TF_CONFIG yourself, or pass "
+                "cluster_resolver="
+            )
+        if cluster.num_workers > 1:  # TensorFlow's own wait for the others can be ended by nothing
+            wait_for_workers(cluster, connect_timeout())
+        if one_replica:
+            resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    elif not isinstance(resolver, tf.distribute.cluster_resolver.ClusterResolver):
+        raise ValueError(f"cluster_resolver must be a tf.distribute.cluster_resolver object, got {resolver!r}")
+    if one_replica:  # without GPUs the strategy has one CPU replica per worker already
+        gpus = min(1, len(tf.config.list_physical_devices("GPU")))
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            resolver.cluster_spec(),
+            task_type=resolver.task_type,
+            task_id=resolver.task_id,
+            rpc_layer=resolver.rpc_layer or "grpc",
+            num_accelerators={"GPU": gpus} if gpus else None,
+        )
+    implementation = getattr(tf.distribute.experimental.CommunicationImplementation, _COMMUNICATION[communication])
+    try:
+        return tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=resolver,
+            communication_options=tf.distribute.experimental.CommunicationOptions(implementation=implementation),
+        )
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"could not start MultiWorkerMirroredStrategy ({error}); create Parallel({strategy!r}) at program "
+            "start, before anything creates tensors or lists devices"
+        ) from None
+
+
+def workers(strategy: tf.distribute.Strategy) -> dict[str, int]:
+    """``num_workers`` and ``worker_index`` of a ``MultiWorkerMirroredStrategy``'s cluster (the chief first)."""
+    resolver = strategy.cluster_resolver
+    spec = resolver.cluster_spec()
+    jobs = {job: spec.num_tasks(job) for job in ("chief", "worker") if job in spec.jobs}
+    index = global_worker_index(resolver.task_type, int(resolver.task_id), has_chief="chief" in jobs)
+    return {"num_workers": sum(jobs.values()), "worker_index": index}

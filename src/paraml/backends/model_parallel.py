@@ -31,9 +31,9 @@ How it works, and why:
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -41,6 +41,7 @@ import keras
 import tensorflow as tf
 
 from ..checks import check_choice, check_int
+from ..cluster import parse_tf_config
 from ..devices import device_memory, resolve_devices
 from ..masks import concat_with_masks, keras_masks
 from ..optimizers import optimizer_slots_per_param
@@ -49,7 +50,8 @@ from ..remat import recomputing
 from ..schedules import SCHEDULES, Schedule
 from ..sizes import format_bytes, parse_size
 from ..units import HostModel, build_on_host, model_units, observation_notes, unit_costs
-from .base import Backend, Capabilities, DeviceSpec, Layout, Objective, Topology
+from .base import Capabilities, DeviceSpec, Layout, Objective, Topology
+from .distribute import StrategyBackend, multi_worker_strategy, new_collective_key_range, workers
 from .registry import register
 
 __all__ = ["ModelParallelBackend"]
@@ -62,7 +64,7 @@ UNBALANCED_SHARE = 1.0
 
 
 @register("model_parallel")
-class ModelParallelBackend(Backend):
+class ModelParallelBackend(StrategyBackend):
     """Units (layers; nested models descended into) split into contiguous stages, one per device, with micro-batches.
 
     Options: ``partition`` (``"balanced"``: minimise the largest stage's parameters + gradients + optimizer slots +
@@ -82,7 +84,7 @@ class ModelParallelBackend(Backend):
     [('dense',), ('dense_1',)]
     """
 
-    option_names = ("partition", "micro_batches", "schedule", "device_memory", "batch_size", "sample")
+    option_names = ("partition", "micro_batches", "schedule", "device_memory", "batch_size", "sample", "data_parallel")
     capabilities = Capabilities(
         builds_on_first_batch=False,  # variables are placed at build, so the model must have them then
         xla_problem="under model_parallel one step spans several devices, and an XLA computation runs on one",
@@ -100,13 +102,19 @@ class ModelParallelBackend(Backend):
         self.sample: Any = options.get("sample")
         schedule = check_choice("schedule", options.get("schedule", "gpipe"), SCHEDULES)
         memory = options.get("device_memory")
+        self.data_parallel: int = check_int("data_parallel", options.get("data_parallel", 1))
+        cluster = parse_tf_config()
+        #: Whether this process is one worker of a cluster: its pipeline is data parallel with the other workers'.
+        self.in_cluster: bool = cluster is not None and cluster.num_workers > 1
+        #: ``grid[r][s]``: the device of stage ``s`` of this worker's pipeline ``r`` (set by ``make_strategy``).
+        self.grid: tuple[tuple[str, ...], ...] = ()
+        self._components: Iterator[str] | None = None  # the devices of the variable being placed, one per pipeline
         super().__init__(devices, **options)
         self.partition = partition
         self.device_memory: int | None = None if memory is None else parse_size(memory)
-        resolved = resolve_devices(devices)
-        self.topology = Topology(resolved, Layout(stages=len(resolved)))  # one copy of the model over the devices
+        stages = len(self.grid[0])
         #: The pipeline schedule (:mod:`paraml.schedules`): printable, and the rule the stages' gates follow.
-        self.schedule = Schedule(schedule, len(resolved), self.micro_batches)
+        self.schedule = Schedule(schedule, stages, self.micro_batches)
         # Under 1F1B, (stage, micro-batch) -> the ops of that micro-batch's backward pass on that stage, and the
         # micro-batch being traced: a stage's forward pass waits for the backward pass the schedule names.
         self._backward_done: dict[tuple[int, int], Any] = {}
@@ -131,8 +139,73 @@ class ModelParallelBackend(Backend):
         self.placement: list[tuple[str, keras.layers.Layer, str]] = []
         self.notes: list[str] = []
 
-    def scope(self) -> AbstractContextManager[Any]:
-        return nullcontext()
+    def make_strategy(self, devices: DeviceSpec) -> tf.distribute.Strategy:
+        """One replica per pipeline: ``OneDeviceStrategy`` for one, ``MirroredStrategy`` over the pipelines' first
+        devices for ``data_parallel`` > 1, ``MultiWorkerMirroredStrategy`` (one replica per worker) in a cluster.
+        A replica's variables live on its pipeline's stage devices (:meth:`scope`), not on the replica's device."""
+        if self.in_cluster:
+            if self.data_parallel != 1:
+                raise ValueError(
+                    f"data_parallel={self.data_parallel} with a cluster (TF_CONFIG names several workers): each worker "
+                    "runs one pipeline over its devices and the workers are its data-parallel copies; use "
+                    "data_parallel=1 (the default)"
+                )
+            strategy = multi_worker_strategy({}, "model_parallel", one_replica=True)  # before the devices are listed
+            self.grid = (resolve_devices(devices),)
+            return strategy
+        resolved = resolve_devices(devices)
+        if len(resolved) % self.data_parallel:
+            raise ValueError(
+                f"devices={len(resolved)} is not a multiple of data_parallel={self.data_parallel}: each of the "
+                f"{self.data_parallel} copies of the pipeline takes the same number of devices (devices = stages x "
+                f"data_parallel); use {len(resolved) - len(resolved) % self.data_parallel or self.data_parallel} "
+                "devices or another data_parallel"
+            )
+        stages = len(resolved) // self.data_parallel
+        self.grid = tuple(resolved[r * stages : (r + 1) * stages] for r in range(self.data_parallel))
+        if self.data_parallel == 1:
+            return tf.distribute.OneDeviceStrategy(resolved[0])
+        new_collective_key_range(tf.distribute.MirroredStrategy)
+        strategy = tf.distribute.MirroredStrategy([pipeline[0] for pipeline in self.grid])
+        new_collective_key_range(tf.distribute.MirroredStrategy)
+        return strategy
+
+    def make_topology(self) -> Topology:
+        """This worker's devices (every pipeline's); one data replica per pipeline, over all workers."""
+        devices = tuple(d for pipeline in self.grid for d in pipeline)
+        layout = Layout(data=int(self.strategy.num_replicas_in_sync), stages=len(self.grid[0]))
+        topology = Topology(devices, layout)
+        return replace(topology, **workers(self.strategy)) if self.in_cluster else topology
+
+    @property
+    def stage_devices(self) -> tuple[str, ...]:
+        """The devices of this worker's first pipeline, stage after stage (the others are its copies)."""
+        return self.grid[0]
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Any]:
+        # The strategy makes one copy of a variable per replica, on the replica's device; a creator below it (entered
+        # first, so the strategy's creator calls it once per copy) moves each copy to its pipeline's stage device.
+        def on_stage_devices(next_creator: Callable[..., tf.Variable], **kwargs: Any) -> tf.Variable:
+            device = next(self._components, None) if self._components is not None else None
+            if device is None:  # not a model variable (an optimizer slot follows its variable; a step counter)
+                return next_creator(**kwargs)
+            with tf.device(device):
+                return next_creator(**kwargs)
+
+        with tf.variable_creator_scope(on_stage_devices), self.strategy.scope() as strategy:
+            yield strategy
+
+    def distribute(self, dataset: tf.data.Dataset) -> Iterable[Any]:
+        if self.topology.num_replicas == 1:
+            return dataset  # one pipeline takes the whole batch
+        return super().distribute(dataset)
+
+    def stage_device(self, stage: int) -> str:
+        """The device of ``stage`` for the replica being traced (its pipeline's), or of the first pipeline."""
+        context = tf.distribute.get_replica_context()
+        replica = tf.get_static_value(context.replica_id_in_sync_group) if context is not None else 0
+        return self.grid[int(replica or 0) % len(self.grid)][stage]
 
     # -- placement ----------------------------------------------------------------------------------------------------
     def build_model(
@@ -152,13 +225,14 @@ class ModelParallelBackend(Backend):
         self.notes = observation_notes(observation)
         slots = optimizer_slots_per_param(optimizer) if optimizer is not None else 0
         costs = unit_costs(observation, self.batch_size, remat=remat)
-        devices = self.topology.devices
+        devices = self.stage_devices
         self.plan = make_plan(costs, self.partition, len(devices), slots)
         self._check_fits(costs, slots)
 
         stage_device = {name: devices[s.index] for s in self.plan.stages for name in s.layers}
         owner = {id(v.value): u.name for u in observation.units for v in u.layer.variables}
         placed_on = [stage_device.get(owner.get(id(v)), devices[0]) for v in created]
+        stage_of = {device: index for index, device in enumerate(devices)}
         count = iter(range(len(placed_on) + 1))
         different = (
             "model_fn built a different model the second time ({}): it must build the same model on every call "
@@ -169,10 +243,14 @@ class ModelParallelBackend(Backend):
             index = next(count)
             if index >= len(placed_on):
                 raise ValueError(different.format(f"more than the {len(placed_on)} variables of the first"))
-            with tf.device(placed_on[index]):
+            stage = stage_of[placed_on[index]]
+            self._components = iter([pipeline[stage] for pipeline in self.grid])  # one copy per pipeline
+            try:
                 return next_creator(**kwargs)
+            finally:
+                self._components = None
 
-        with tf.variable_creator_scope(place):
+        with self.scope(), tf.variable_creator_scope(place):
             model = model_fn()
         made = next(count)
         if made != len(placed_on):
@@ -199,10 +277,10 @@ class ModelParallelBackend(Backend):
         )
         device_of = {renamed[name]: device for name, device in stage_device.items()}
         self.placement = [(name, by_name[name], device_of[name]) for name in order]
-        stage_of = {device: index for index, device in enumerate(devices)}
         self._variable_stage = {id(v.value): stage_of[d] for _, layer, d in self.placement for v in layer.variables}
         for _, layer, device in self.placement:
-            _stage_call(layer, device, lambda stage=stage_of[device]: self._gate(stage))
+            stage = stage_of[device]
+            _stage_call(layer, lambda stage=stage: self.stage_device(stage), lambda stage=stage: self._gate(stage))
         return model
 
     def _gate(self, stage: int) -> list[Any]:
@@ -217,7 +295,7 @@ class ModelParallelBackend(Backend):
         """Refuse (at build) a unit or a stage larger than a device; note a unit that keeps stages from balancing."""
         assert self.plan is not None
         sizes = [(c.name, layer_cost(c, slots)) for c in costs]
-        devices = self.topology.devices
+        devices = self.stage_devices
         memory = self.device_memory
         if memory is None:
             known = [device_memory(d) for d in devices]
@@ -244,19 +322,6 @@ class ModelParallelBackend(Backend):
                 f"{what}, more than a device's share {format_bytes(round(share))}: the stages cannot balance better "
                 "(splitting one layer across devices is not supported)"
             )
-
-    # -- data and execution (one replica: the whole batch goes through the stages) -------------------------------------
-    def distribute(self, dataset: tf.data.Dataset) -> Iterable[Any]:
-        return dataset
-
-    def run(self, fn: Callable[..., Any], args: Sequence[Any]) -> Any:
-        return fn(*args)
-
-    def all_reduce_sum(self, value: tf.Tensor) -> tf.Tensor:
-        return value
-
-    def gather(self, value: Any) -> tf.Tensor:
-        return value
 
     # -- computation ---------------------------------------------------------------------------------------------------
     def _split(self, value: Any, rows: tf.Tensor) -> list[Any]:
@@ -380,12 +445,20 @@ class ModelParallelBackend(Backend):
         return total, concat_with_masks(y_preds, masks)
 
     def describe(self) -> str:
-        devices = self.topology.devices
+        devices = self.stage_devices
         header = f"model_parallel on {len(devices)} device(s), micro_batches={self.micro_batches}"
         header += f", schedule={self.schedule.kind!r}" if self.micro_batches > 1 else ""
+        t = self.topology
+        if t.num_replicas > 1:
+            header += f"; {t.layout}: pipeline copies averaging their gradients"
+            if self.in_cluster:
+                header += f" (one per worker; this is worker {t.worker_index} of {t.num_workers})"
+        lines = [header]
+        if len(self.grid) > 1:
+            lines += [f"pipeline {r}: {', '.join(pipeline)}" for r, pipeline in enumerate(self.grid)]
         if self.plan is None:
-            return header
-        lines = [header, self.plan.describe(devices)]
+            return "\n".join(lines)
+        lines.append(self.plan.describe(devices))
         lines += [f"stage {s.index} units: {', '.join(s.layers)}" for s in self.plan.stages]
         lines += [f"note: {note}" for note in self.notes]
         if self.micro_batches > 1:
@@ -397,13 +470,14 @@ def _signature(units: list[tuple[str, keras.layers.Layer]]) -> list[tuple[str, l
     return [(type(layer).__name__, [tuple(v.shape) for v in layer.variables]) for _, layer in units]
 
 
-def _stage_call(layer: keras.layers.Layer, device: str, gate: Callable[[], list[Any]]) -> None:
-    """Make ``layer``'s computation run on ``device``, after what ``gate()`` returns (the 1F1B schedule's wait): its
-    ``call`` (the public method) wrapped, on this instance."""
+def _stage_call(layer: keras.layers.Layer, device: Callable[[], str], gate: Callable[[], list[Any]]) -> None:
+    """Make ``layer``'s computation run on ``device()`` (its stage's, in the pipeline of the replica being traced),
+    after what ``gate()`` returns (the 1F1B schedule's wait): its ``call`` (the public method) wrapped, on this
+    instance."""
     original = layer.call
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        with tf.device(device), tf.control_dependencies(gate()):
+        with tf.device(device()), tf.control_dependencies(gate()):
             return original(*args, **kwargs)
 
     layer.call = call
