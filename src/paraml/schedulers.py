@@ -325,7 +325,10 @@ def _mpi(env: _Reader) -> Cluster:
             "ranks exchange their addresses through it",
         )
     if master is not None:
-        split_address(master, MASTER_ENV)
+        try:
+            split_address(master, MASTER_ENV)
+        except ClusterConfigError as exc:
+            raise env.error(str(exc)) from None
     return env.cluster(size, rank, master=master, **_exchange(env, rank))
 
 
