@@ -17,16 +17,16 @@ import argparse
 import json
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-from paraml.benchmark import format_table, int_at_least
+from paraml.benchmark import Completed, format_table, int_at_least, run_process
 from paraml.launch import find_free_ports
 
 WORKER = """
@@ -36,6 +36,9 @@ import numpy as np
 from paraml import Parallel, load_digits
 from paraml.demo import digits_model
 
+from paraml.schedulers import detect_cluster
+
+print(f"read {detect_cluster().scheduler}", flush=True)  # which source the worker is about to read
 par = Parallel("multi_worker", seed=0)  # reads TF_CONFIG, or the scheduler's variables
 (x, y), _ = load_digits()
 par.build(digits_model, optimizer=keras.optimizers.SGD(0.1),
@@ -122,18 +125,10 @@ def consecutive_free_ports() -> list[int]:
     raise RuntimeError("no two consecutive free ports")
 
 
-def run_together(commands: list[tuple[list[str], dict[str, str]]], timeout: float) -> list[tuple[int, str]]:
+def run_together(commands: list[tuple[list[str], dict[str, str]]], timeout: float) -> list[Completed]:
     """Start every command at once (each with its extra environment, no inherited TF_CONFIG); wait for all."""
-    procs = []
-    for command, extra in commands:
-        env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-        env.update(TF_CPP_MIN_LOG_LEVEL="3", **extra)
-        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        return [(proc.wait(timeout=timeout), proc.communicate()[0]) for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda c: run_process(c[0], timeout, env={**os.environ, **c[1]}), commands))
 
 
 def load(out: Path) -> list[list[np.ndarray]]:
@@ -161,15 +156,19 @@ def main(argv: list[str] | None = None) -> int:
     script.write_text(WORKER)
     python = sys.executable
 
+    read: set[str] = set()  # the sources the last variant's workers read
+
     def run(out: Path, commands: list[tuple[list[str], dict[str, str]]]) -> tuple[float, bool]:
         """Run one variant's processes together (they write to ``out``); say whether every one succeeded."""
         out.mkdir()
+        read.clear()
         start = time.perf_counter()
         done = run_together(commands, args.timeout)
         seconds = time.perf_counter() - start
-        failed = [text for code, text in done if code != 0]
+        failed = [run.stdout + run.stderr for run in done if run.code != 0]
         if failed:
             print(f"{out.name}: FAILED\n{failed[0][-3000:]}", flush=True)
+        read.update(line.split("read ", 1)[1] for run in done for line in run.stdout.splitlines() if "read " in line)
         return seconds, not failed
 
     def train(out: Path) -> list[str]:
@@ -195,17 +194,18 @@ def main(argv: list[str] | None = None) -> int:
             commands = [([python, *train(out)], VARIANTS[name](r, ports, master)) for r in range(2)]
         seconds, ok = run(out, commands)
         if not ok:
-            rows.append([name, variables, "failed", None, f"{seconds:.1f}"])
+            rows.append([name, ", ".join(sorted(read)), variables, "failed", None, f"{seconds:.1f}"])
             worst = float("inf")
             continue
         got = load(out)
         agree = "yes" if max_difference(got[0], got[1]) == 0.0 else "no"
         delta = max(max_difference(got[i], want[i]) for i in range(2))
         worst = max(worst, delta if agree == "yes" else float("inf"))
-        rows.append([name, variables, agree, f"{delta:.2e}", f"{seconds:.1f}"])
+        rows.append([name, ", ".join(sorted(read)), variables, agree, f"{delta:.2e}", f"{seconds:.1f}"])
         print(f"  {name:<14} max |dw| {delta:.2e}  ({seconds:.1f} s)", flush=True)
     print()
-    print(format_table(rows, ["variant", "variables set", "workers equal", "max |dw| vs launch", "s"]))
+    header = ["variant", "source read", "variables set", "workers equal", "max abs dw vs launch", "s"]
+    print(format_table(rows, header, markdown=True))
     return 0 if worst <= 1e-6 else 1
 
 

@@ -7,6 +7,7 @@ which a test process has long done (docs/tensorflow-notes.md).
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import keras
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from paraml import Parallel, load_digits
+from paraml.benchmark import run_process
 from paraml.cluster import ClusterConfigError, make_tf_config
 from paraml.demo import digits_model
 from paraml.launch import find_free_ports
@@ -93,17 +95,9 @@ def test_a_models_own_train_step_runs_on_every_worker_as_in_keras(two_workers):
 
 
 def _run_together(commands_and_envs, timeout=240):
-    """Start every (command, extra env) at once, as one cluster's processes; wait for all of them."""
-    procs = []
-    for command, extra in commands_and_envs:
-        env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-        env.update(TF_CPP_MIN_LOG_LEVEL="3", **extra)
-        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
-        return [(proc.wait(timeout=timeout), *proc.communicate()) for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
+    """Start every (command, extra env) at once, as one cluster's processes (no TF_CONFIG); wait for all."""
+    with ThreadPoolExecutor(len(commands_and_envs)) as pool:
+        return list(pool.map(lambda c: run_process(c[0], timeout, env={**os.environ, **c[1]}), commands_and_envs))
 
 
 def _assert_same_final_weights(out, two_workers):
@@ -127,8 +121,8 @@ def test_the_same_script_under_slurm_variables_ends_with_launchs_weights(tmp_pat
     runs = _run_together(
         [([sys.executable, str(SCRIPT), str(tmp_path)], {**slurm, "SLURM_PROCID": str(i)}) for i in range(2)]
     )
-    assert [code for code, _, _ in runs] == [0, 0], runs
-    assert "worker 1 of 2, chief=False, replicas=2" in runs[1][1]
+    assert [run.code for run in runs] == [0, 0], runs
+    assert "worker 1 of 2, chief=False, replicas=2" in runs[1].stdout
     _assert_same_final_weights(tmp_path, two_workers)
 
 
@@ -137,8 +131,8 @@ def test_launch_on_two_nodes_equals_launch_on_one(tmp_path, two_workers):
     master = f"127.0.0.1:{find_free_ports(1)[0]}"
     launch = [sys.executable, "-m", "paraml", "launch", "--nnodes", "2", "--master", master, "-n", "1"]
     runs = _run_together([([*launch, "--node-rank", str(r), str(SCRIPT), str(tmp_path)], {}) for r in range(2)])
-    assert [code for code, _, _ in runs] == [0, 0], runs
-    assert "[worker 1] worker 1 of 2, chief=False, replicas=2" in runs[1][1]
+    assert [run.code for run in runs] == [0, 0], runs
+    assert "[worker 1] worker 1 of 2, chief=False, replicas=2" in runs[1].stdout
     _assert_same_final_weights(tmp_path, two_workers)
 
 

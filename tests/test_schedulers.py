@@ -19,7 +19,7 @@ import pytest
 from paraml.cli import main as cli_main
 from paraml.cluster import ClusterConfigError, make_tf_config
 from paraml.launch import find_free_ports
-from paraml.rendezvous import Rendezvous, exchange_addresses, split_address
+from paraml.rendezvous import Rendezvous, split_address
 from paraml.schedulers import (
     SCHEDULERS,
     Cluster,
@@ -134,6 +134,10 @@ def test_schedulers_that_name_only_a_master_exchange_the_addresses(env, schedule
 def test_one_rank_needs_no_master():
     cluster = detect_cluster({"OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_RANK": "0", "PARAML_PORT": "4000"})
     assert cluster.resolved(timeout=0.5).workers == ("localhost:4000",)
+
+
+def exchange_addresses(master, rank, size, addresses, **options):
+    return Rendezvous.join(master, rank, size, addresses, **options).workers
 
 
 def _master() -> str:

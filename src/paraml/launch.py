@@ -513,7 +513,7 @@ def launch(
                     keep_open=True,
                     variables="--master",
                 )
-                addresses = [a for group in peers.addresses for a in group]
+                addresses = peers.workers
                 first = sum(len(group) for group in peers.addresses[:node_rank])
             _start_workers(command, base_env, addresses, first, len(ports), restart, lines, procs, readers)
             index, code = _supervise(procs, stop_timeout, output, lines, first, peers)

@@ -27,11 +27,12 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .cluster import CONNECT_TIMEOUT_ENV, ClusterConfigError
 
-__all__ = ["Rendezvous", "exchange_addresses", "join_address", "split_address"]
+__all__ = ["Rendezvous", "join_address", "split_address"]
 
 _PROTOCOL = "paraml-rendezvous-1"
 _MAX_MESSAGE = 1 << 20  # bytes: a hello or a reply is far smaller; anything longer is not ours
@@ -127,8 +128,8 @@ class Rendezvous:
         addresses: Every rank's addresses, in rank order (``addresses[r]`` is the list rank ``r`` sent).
 
     Example:
-        >>> Rendezvous.join("127.0.0.1:1", 0, 1, ["127.0.0.1:2222"], timeout=1).addresses  # alone: no network
-        [['127.0.0.1:2222']]
+        >>> Rendezvous.join("127.0.0.1:1", 0, 1, [2222], timeout=1).workers  # alone: no network
+        ['127.0.0.1:2222']
     """
 
     def __init__(self, rank: int, size: int, addresses: list[list[str]]) -> None:
@@ -143,6 +144,16 @@ class Rendezvous:
         self._first_failure: tuple[int, int] | None = None  # (rank, code)
         self._outcome: tuple[int, bool, int | None] = (0, False, None)
         self._threads: list[threading.Thread] = []
+
+    @property
+    def workers(self) -> list[str]:
+        """Every rank's addresses in one list, in rank order.
+
+        Example:
+            >>> Rendezvous(0, 2, [["a:1", "a:2"], ["b:1"]]).workers
+            ['a:1', 'a:2', 'b:1']
+        """
+        return [address for group in self.addresses for address in group]
 
     # ------------------------------------------------------------------ joining
 
@@ -168,27 +179,16 @@ class Rendezvous:
         (None: no limit) naming the ranks that never joined or the master that never answered, or when the ranks
         disagree (another ``size`` or ``round``, a rank twice). ``round`` tells a restart's exchange from the last.
         """
+        join = _Join(master, rank, size, addresses, host, timeout, round, keep_open, variables)
         if size == 1:
-            own = _own_addresses(addresses, host or split_address(master, variables)[0])
-            return cls(rank, size, [own])
-        if rank == 0:
-            return cls._host(master, size, addresses, host, timeout, round, keep_open, variables)
-        return cls._connect(master, rank, size, addresses, host, timeout, round, keep_open, variables)
+            return cls(rank, size, [_own_addresses(addresses, host or split_address(master, variables)[0])])
+        return cls._host(join) if rank == 0 else cls._connect(join)
 
     @classmethod
-    def _host(
-        cls,
-        master: str,
-        size: int,
-        addresses: Sequence[str] | Sequence[int],
-        host: str | None,
-        timeout: float | None,
-        round: int,
-        keep_open: bool,
-        variables: str,
-    ) -> Rendezvous:
+    def _host(cls, join: _Join) -> Rendezvous:
+        master, size, timeout, variables = join.master, join.size, join.timeout, join.variables
         master_host, port = split_address(master, variables)
-        own = _own_addresses(addresses, host or master_host)
+        own = _own_addresses(join.addresses, join.host or master_host)
         try:
             server = socket.create_server(("", port))
         except OSError as exc:
@@ -219,7 +219,7 @@ class Rendezvous:
                 if not hello or hello.get("protocol") != _PROTOCOL:
                     conn.close()  # not one of ours (a port scanner, a health check): ignore it
                     continue
-                problem = _check_hello(hello, size, round, joined)
+                problem = _check_hello(hello, size, join.round, joined)
                 if problem:
                     _send_quietly(conn, {"error": problem})
                     conn.close()
@@ -236,7 +236,7 @@ class Rendezvous:
         finally:
             server.close()
         rendezvous = cls(0, size, everyone)
-        if keep_open:
+        if join.keep_open:
             for rank, (conn, _) in joined.items():
                 rendezvous._peers[rank] = (conn, threading.Lock())
             for rank, (conn, _) in joined.items():
@@ -247,18 +247,8 @@ class Rendezvous:
         return rendezvous
 
     @classmethod
-    def _connect(
-        cls,
-        master: str,
-        rank: int,
-        size: int,
-        addresses: Sequence[str] | Sequence[int],
-        host: str | None,
-        timeout: float | None,
-        round: int,
-        keep_open: bool,
-        variables: str,
-    ) -> Rendezvous:
+    def _connect(cls, join: _Join) -> Rendezvous:
+        master, rank, size, timeout, variables = join.master, join.rank, join.size, join.timeout, join.variables
         master_host, port = split_address(master, variables)
         deadline = _deadline(timeout)
         last_error = "no attempt"
@@ -278,8 +268,9 @@ class Rendezvous:
                 continue
             lines = _Lines(sock)
             try:
-                own = _own_addresses(addresses, host or sock.getsockname()[0])
-                _send(sock, {"protocol": _PROTOCOL, "rank": rank, "size": size, "round": round, "addresses": own})
+                own = _own_addresses(join.addresses, join.host or sock.getsockname()[0])
+                hello = {"protocol": _PROTOCOL, "rank": rank, "size": size, "round": join.round, "addresses": own}
+                _send(sock, hello)
                 reply = lines.read(deadline)
             except TimeoutError:
                 sock.close()
@@ -305,7 +296,7 @@ class Rendezvous:
                 sock.close()
                 raise ClusterConfigError(f"the master {master} ({variables}) sent no address list: {reply!r}")
             rendezvous = cls(rank, size, everyone)
-            if keep_open:
+            if join.keep_open:
                 rendezvous._peers[0] = (sock, threading.Lock())
                 rendezvous._listen(rendezvous._from_master, sock, lines)
             else:
@@ -412,6 +403,21 @@ class Rendezvous:
                 self._done.set()
 
 
+@dataclass(frozen=True)
+class _Join:
+    """What one rank brings to an exchange (the arguments of :meth:`Rendezvous.join`)."""
+
+    master: str
+    rank: int
+    size: int
+    addresses: Sequence[str] | Sequence[int]
+    host: str | None
+    timeout: float | None
+    round: int
+    keep_open: bool
+    variables: str
+
+
 def _own_addresses(addresses: Sequence[str] | Sequence[int], host: str) -> list[str]:
     return [a if isinstance(a, str) else join_address(host, a) for a in addresses]
 
@@ -444,24 +450,3 @@ def _check_hello(hello: dict[str, Any], size: int, round: int, joined: dict[int,
     if not isinstance(hello.get("addresses"), list):
         return f"rank {rank} sent no addresses"
     return None
-
-
-def exchange_addresses(
-    master: str,
-    rank: int,
-    size: int,
-    addresses: Sequence[str] | Sequence[int],
-    *,
-    host: str | None = None,
-    timeout: float | None,
-    variables: str = "the master address",
-) -> list[str]:
-    """Every rank's addresses in rank order, one flat list, exchanged through ``master`` (see
-    :meth:`Rendezvous.join`); the connections are closed on return.
-
-    Example:
-        >>> exchange_addresses("127.0.0.1:1", 0, 1, [2222], timeout=1)
-        ['127.0.0.1:2222']
-    """
-    rendezvous = Rendezvous.join(master, rank, size, addresses, host=host, timeout=timeout, variables=variables)
-    return [address for group in rendezvous.addresses for address in group]

@@ -54,7 +54,7 @@ from .cluster import (
     parse_cluster_spec,
     parse_tf_config,
 )
-from .rendezvous import exchange_addresses, join_address, split_address
+from .rendezvous import Rendezvous, join_address, split_address
 
 __all__ = [
     "DEFAULT_PORT",
@@ -149,16 +149,11 @@ class Cluster:
         if self.num_workers == 1:
             return dataclasses.replace(self, workers=(join_address(self.host or "localhost", port),))
         assert self.master is not None
-        workers = exchange_addresses(
-            self.master,
-            self.index,
-            self.num_workers,
-            [port],
-            host=self.host,
-            timeout=timeout,
-            variables=_MASTER_VARIABLES[self.scheduler],
+        variables = _MASTER_VARIABLES[self.scheduler]
+        exchange = Rendezvous.join(
+            self.master, self.index, self.num_workers, [port], host=self.host, timeout=timeout, variables=variables
         )
-        return dataclasses.replace(self, workers=tuple(workers))
+        return dataclasses.replace(self, workers=tuple(exchange.workers))
 
     def to_tf_config(self) -> str:
         """The ``TF_CONFIG`` for this process: as written for the ``tf_config`` source, else a worker-only cluster
