@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from paraml.cli import main as cli_main
 from paraml.cluster import ClusterConfigError, make_tf_config
 from paraml.launch import find_free_ports
 from paraml.rendezvous import Rendezvous, split_address
@@ -279,19 +281,28 @@ def test_no_cluster_and_the_hints_for_half_set_variables(monkeypatch):
     assert setup_tf_config({}) is None
 
 
-def test_paraml_cluster_prints_the_scheduler_variables_workers_and_index(monkeypatch, capsys):
-    for name in ("TF_CONFIG", "PARAML_SCHEDULER", "PARAML_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in SLURM.items():
-        monkeypatch.setenv(name, value)
-    assert cli_main(["cluster"]) == 0
-    out = capsys.readouterr().out
+def _paraml_cluster(**env):
+    """``paraml cluster`` in a fresh process with ``env`` as its only cluster variables; also fails if it loaded
+    TensorFlow."""
+    code = "import sys\nfrom paraml.cli import main\ncode = main(['cluster'])\nassert 'tensorflow' not in sys.modules\n"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("TF_CONFIG", "PARAML_", "SLURM_"))}
+    return subprocess.run(
+        [sys.executable, "-c", code + "sys.exit(code)"],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_paraml_cluster_prints_the_scheduler_variables_workers_and_index():
+    done = _paraml_cluster(**SLURM)
+    assert done.returncode == 0, done.stderr
     for expected in ("scheduler: Slurm", "SLURM_PROCID=2", "2  node02:19569  (this process)", "worker 2 of 4"):
-        assert expected in out
-    assert "chief: worker 0 (node01:19567)" in out
-    monkeypatch.setenv("SLURM_PROCID", "9")
-    assert cli_main(["cluster"]) == 2
-    assert "SLURM_PROCID=9 is out of range" in capsys.readouterr().err
+        assert expected in done.stdout
+    assert "chief: worker 0 (node01:19567)" in done.stdout
+    bad = _paraml_cluster(**{**SLURM, "SLURM_PROCID": "9"})
+    assert bad.returncode == 2 and "paraml cluster: error: Slurm: SLURM_PROCID=9 is out of range" in bad.stderr
 
 
 # ----------------------------------------------------------------------------- rendezvous
