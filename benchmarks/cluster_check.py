@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import sys
 import tempfile
@@ -125,10 +124,15 @@ def consecutive_free_ports() -> list[int]:
     raise RuntimeError("no two consecutive free ports")
 
 
-def run_together(commands: list[tuple[list[str], dict[str, str]]], timeout: float) -> list[Completed]:
-    """Start every command at once (each with its extra environment, no inherited TF_CONFIG); wait for all."""
+def run_together(commands: list[list[str]], timeout: float) -> list[Completed]:
+    """Start every command at once (none inherits TF_CONFIG: a variant sets its variables with ``env``); wait."""
     with ThreadPoolExecutor(len(commands)) as pool:
-        return list(pool.map(lambda c: run_process(c[0], timeout, env={**os.environ, **c[1]}), commands))
+        return list(pool.map(lambda command: run_process(command, timeout), commands))
+
+
+def with_env(variables: dict[str, str]) -> list[str]:
+    """The ``env NAME=VALUE ...`` prefix that starts a command with these variables set."""
+    return ["env", *(f"{name}={value}" for name, value in variables.items())]
 
 
 def load(out: Path) -> list[list[np.ndarray]]:
@@ -158,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
 
     read: set[str] = set()  # the sources the last variant's workers read
 
-    def run(out: Path, commands: list[tuple[list[str], dict[str, str]]]) -> tuple[float, bool]:
+    def run(out: Path, commands: list[list[str]]) -> tuple[float, bool]:
         """Run one variant's processes together (they write to ``out``); say whether every one succeeded."""
         out.mkdir()
         read.clear()
@@ -175,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         return [str(script), str(out), str(args.epochs)]
 
     reference = root / "launch"
-    seconds, ok = run(reference, [([python, "-m", "paraml", "launch", "-n", "2", *train(reference)], {})])
+    seconds, ok = run(reference, [[python, "-m", "paraml", "launch", "-n", "2", *train(reference)]])
     if not ok:
         return 1
     want = load(reference)
@@ -187,11 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         if name == "launch_nnodes":
             launch = [python, "-m", "paraml", "launch", "--nnodes", "2", "--master", master, "-n", "1"]
             variables = "--nnodes 2 --node-rank R --master HOST:PORT -n 1"
-            commands = [([*launch, "--node-rank", str(r), *train(out)], {}) for r in range(2)]
+            commands = [[*launch, "--node-rank", str(r), *train(out)] for r in range(2)]
         else:
             ports = consecutive_free_ports()
             variables = ", ".join(sorted(VARIANTS[name](0, ports, master)))
-            commands = [([python, *train(out)], VARIANTS[name](r, ports, master)) for r in range(2)]
+            commands = [[*with_env(VARIANTS[name](r, ports, master)), python, *train(out)] for r in range(2)]
         seconds, ok = run(out, commands)
         if not ok:
             rows.append([name, ", ".join(sorted(read)), variables, "failed", None, f"{seconds:.1f}"])
