@@ -101,7 +101,7 @@ def _run_together(commands_and_envs, timeout=240):
 
 
 def _assert_same_final_weights(out, two_workers):
-    _, (want, _) = two_workers
+    want = two_workers[1][0]  # worker 0's saved weights (the fixture's second item)
     for i in range(2):
         got = np.load(out / f"worker{i}.npz")
         for a, b in zip(weights(got, "final"), weights(want, "final")):
