@@ -72,6 +72,8 @@ MODULES = [
     "paraml.checks",
     "paraml.auto",
     "paraml.cluster",
+    "paraml.schedulers",
+    "paraml.rendezvous",
 ]
 
 

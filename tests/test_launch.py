@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -468,6 +469,11 @@ def test_main_runs_the_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         (["-n", "0", "{script}"], "number of workers must be an int >= 1, got 0"),
         (["{missing}"], "script not found: {missing}"),
         (["--port", "65535", "-n", "2", "{script}"], "65535..65536"),
+        (["--nnodes", "2", "{script}"], "--nnodes 2 needs --master HOST:PORT"),
+        (["--nnodes", "0", "{script}"], "number of nodes (--nnodes) must be an int >= 1, got 0"),
+        (["--nnodes", "2", "--node-rank", "2", "--master", "h:1", "{script}"], "in 0..1, got 2"),
+        (["--nnodes", "2", "--master", "h", "{script}"], '--master is "h", not "HOST:PORT"'),
+        (["--nnodes", "2", "--master", "h:1", "--isolate-network", "{script}"], "cannot be used with --nnodes > 1"),
     ],
 )
 def test_main_reports_bad_input(
@@ -861,3 +867,73 @@ def test_a_missing_worker_ends_the_wait_with_its_name(tmp_path: Path) -> None:
     time.sleep(8)
     waiting.send_signal(signal.SIGTERM)
     assert waiting.wait(timeout=20) == -signal.SIGTERM
+
+
+# ------------------------------------------------------------------------- several nodes
+
+
+def test_nodes_exchange_addresses_and_a_failure_on_one_restarts_every_node(tmp_path: Path) -> None:
+    """Two launchers as two "nodes" (2 workers on node 0, 1 on node 1): one cluster of 3; node 1's worker dies in the
+    first run, so node 0's sleeping workers are stopped, and both nodes start again, together."""
+    script = _script(
+        tmp_path,
+        RESTART_PIDS
+        + textwrap.dedent(
+            """
+        workers = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]
+        print(f"run {RESTART}: worker {INDEX} of {os.environ['PARAML_NUM_WORKERS']}, cluster {len(workers)}")
+        if RESTART == 0:
+            if INDEX == 2:
+                wait_for("pid0-r0")
+                wait_for("pid1-r0")
+                sys.exit(3)
+            time.sleep(1000)  # node 0's workers would wait forever: node 1's failure must stop them
+        """
+        ),
+    )
+    master = f"127.0.0.1:{find_free_ports(1)[0]}"
+    outs = [io.StringIO(), io.StringIO()]
+    errs = [io.StringIO(), io.StringIO()]
+    codes: list[int | None] = [None, None]
+
+    def node(rank: int, workers: int) -> None:
+        codes[rank] = launch(
+            str(script),
+            [],
+            workers,
+            nnodes=2,
+            node_rank=rank,
+            master=master,
+            max_restarts=1,
+            stop_timeout=5,
+            out=outs[rank],
+            err=errs[rank],
+        )
+
+    threads = [threading.Thread(target=node, args=(rank, n)) for rank, n in ((0, 2), (1, 1))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=50)
+    assert codes == [0, 0], [e.getvalue() for e in errs]
+    for index in range(3):
+        assert f"[worker {index}] run 1: worker {index} of 3, cluster 3" in outs[index // 2].getvalue()
+    assert "paraml launch: worker 2 exited with code 3; restart 1 of 1" in errs[1].getvalue()
+    assert "paraml launch: node 1 failed first (exit code 3); restart 1 of 1" in errs[0].getvalue()
+    assert "another node failed; stopping the workers on this node" in outs[0].getvalue()
+    pids = _run_pids(tmp_path)
+    assert len(pids) == 6  # 3 workers, 2 runs
+    for pid in pids.values():
+        _assert_gone(pid)
+
+
+def test_a_node_whose_master_never_answers_ends_with_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PARAML_CONNECT_TIMEOUT", "0.5")
+    master = f"127.0.0.1:{find_free_ports(1)[0]}"
+    argv = ["--nnodes", "2", "--node-rank", "1", "--master", master, "-n", "1", str(_script(tmp_path, ""))]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"could not reach the master {master} (--master) within 0.5 s" in err
+    assert not list(tmp_path.glob("pid*"))  # no worker started

@@ -7,6 +7,7 @@ which a test process has long done (docs/tensorflow-notes.md).
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import keras
@@ -14,8 +15,10 @@ import numpy as np
 import pytest
 
 from paraml import Parallel, load_digits
+from paraml.benchmark import run_process
 from paraml.cluster import ClusterConfigError, make_tf_config
 from paraml.demo import digits_model
+from paraml.launch import find_free_ports
 
 SCRIPT = Path(__file__).parent / "scripts" / "multi_worker_train.py"
 
@@ -127,6 +130,48 @@ def test_a_models_own_train_step_runs_on_every_worker_as_in_keras(two_workers):
         np.testing.assert_array_equal(mine, other)
         np.testing.assert_allclose(mine, want, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(w0["own_mse"], history.history["mse"], rtol=1e-4)
+
+
+def _run_together(commands_and_envs, timeout=240):
+    """Start every (command, extra env) at once, as one cluster's processes (no TF_CONFIG); wait for all."""
+    with ThreadPoolExecutor(len(commands_and_envs)) as pool:
+        return list(pool.map(lambda c: run_process(c[0], timeout, env={**os.environ, **c[1]}), commands_and_envs))
+
+
+def _assert_same_final_weights(out, two_workers):
+    want = two_workers[1][0]  # worker 0's saved weights (the fixture's second item)
+    for i in range(2):
+        got = np.load(out / f"worker{i}.npz")
+        for a, b in zip(weights(got, "final"), weights(want, "final")):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_the_same_script_under_slurm_variables_ends_with_launchs_weights(tmp_path, two_workers):
+    """srun's variables, synthesised for 2 tasks on this machine: no TF_CONFIG, the same weights as paraml launch."""
+    port = find_free_ports(1)[0]
+    slurm = {
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_NODELIST": "localhost",
+        "SLURM_STEP_TASKS_PER_NODE": "2",
+        "SLURM_JOB_ID": "1",
+        "PARAML_PORT": str(port),
+    }
+    runs = _run_together(
+        [([sys.executable, str(SCRIPT), str(tmp_path)], {**slurm, "SLURM_PROCID": str(i)}) for i in range(2)]
+    )
+    assert [run.code for run in runs] == [0, 0], runs
+    assert "worker 1 of 2, chief=False, replicas=2" in runs[1].stdout
+    _assert_same_final_weights(tmp_path, two_workers)
+
+
+def test_launch_on_two_nodes_equals_launch_on_one(tmp_path, two_workers):
+    """`paraml launch --nnodes 2 --node-rank R --master 127.0.0.1:PORT -n 1`, two "nodes" on this machine."""
+    master = f"127.0.0.1:{find_free_ports(1)[0]}"
+    launch = [sys.executable, "-m", "paraml", "launch", "--nnodes", "2", "--master", master, "-n", "1"]
+    runs = _run_together([([*launch, "--node-rank", str(r), str(SCRIPT), str(tmp_path)], {}) for r in range(2)])
+    assert [run.code for run in runs] == [0, 0], runs
+    assert "[worker 1] worker 1 of 2, chief=False, replicas=2" in runs[1].stdout
+    _assert_same_final_weights(tmp_path, two_workers)
 
 
 def test_a_failing_worker_stops_the_run(tmp_path):

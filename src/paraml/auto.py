@@ -2,8 +2,8 @@
 
 The rule, in order:
 
-1. ``TF_CONFIG`` describes a cluster of more than one worker -> ``multi_worker`` (decided at once: that strategy
-   must exist at program start);
+1. ``TF_CONFIG`` (or a scheduler's variables, :mod:`paraml.schedulers`) describes a cluster of more than one worker
+   -> ``multi_worker`` (decided at once: that strategy must exist at program start);
 2. more than one device, and the estimated training memory fits on one device -> ``mirrored``;
 3. more than one device, and the model fits on one device with less memory per device for the same weights
    (:data:`SAVINGS`, in order: the optimizer state sharded over the replicas, the activations recomputed, both) ->
@@ -164,7 +164,7 @@ class AutoChoice:
 
     def __init__(self, devices: DeviceSpec, options: dict[str, Any]) -> None:
         from . import backends
-        from .cluster import parse_tf_config
+        from .schedulers import detect_cluster
 
         self.devices = devices
         self.options = dict(options)
@@ -172,7 +172,7 @@ class AutoChoice:
             self.options["device_memory"] = parse_size(self.options["device_memory"])
         self.backend: Backend | None = None
         self.decision: AutoDecision | None = None
-        cluster = parse_tf_config()
+        cluster = detect_cluster()  # TF_CONFIG or a scheduler's variables
         if cluster is not None and cluster.num_workers > 1:  # decided now: the strategy must exist at program start
             self.decision = decide(num_workers=cluster.num_workers, num_devices=0, estimate=None, device_memory=None)
             self.backend = backends.get_backend("multi_worker")(devices)

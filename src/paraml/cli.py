@@ -1,4 +1,4 @@
-"""The ``paraml`` command: a thin argparse front over the library (demo, devices, estimate, launch, bench)."""
+"""The ``paraml`` command: a thin argparse front over the library (demo, devices, estimate, launch, cluster, bench)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from .logs import filtered_stderr
 __all__ = ["COMMANDS", "main"]
 
 #: The subcommands of ``paraml``, in the order ``--help`` lists them.
-COMMANDS = ("demo", "env", "devices", "estimate", "bench", "launch")
+COMMANDS = ("demo", "env", "devices", "estimate", "bench", "launch", "cluster")
 
 
 def _demo(ns: argparse.Namespace) -> int:
@@ -98,6 +98,18 @@ def _launch(ns: argparse.Namespace) -> int:
     return launch.run_from_args(ns)
 
 
+def _cluster(ns: argparse.Namespace) -> int:
+    """What ``multi_worker`` would read here, without TensorFlow and without exchanging addresses."""
+    from .schedulers import detect_cluster, no_cluster_message
+
+    cluster = detect_cluster()
+    if cluster is None:
+        print(f"no cluster: this process would train alone. {no_cluster_message()}")
+        return 0
+    print(cluster.describe())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``paraml`` command."""
     from . import __version__
@@ -138,9 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(benchmark)
     benchmark.set_defaults(run=bench.run_from_args)
 
-    launcher = commands.add_parser("launch", help="run a script on N local workers (multi_worker)")
+    launcher = commands.add_parser("launch", help="run a script on N workers per machine (multi_worker)")
     launch.add_arguments(launcher)
     launcher.set_defaults(run=_launch)
+
+    cluster = commands.add_parser(
+        "cluster", help="the cluster this process is in (scheduler, variables read, workers, index), no training"
+    )
+    cluster.set_defaults(run=_cluster)
     assert tuple(commands.choices) == COMMANDS
     return parser
 

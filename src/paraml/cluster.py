@@ -29,16 +29,15 @@ __all__ = [
     "ClusterConfigError",
     "ClusterSpecInfo",
     "global_worker_index",
+    "CLUSTER_SPEC_ENV",
     "make_tf_config",
+    "parse_cluster_spec",
     "parse_tf_config",
     "connect_timeout",
     "wait_for_workers",
 ]
 
 _ENV_VAR = "TF_CONFIG"
-
-# Job names that take part in synchronous (MultiWorkerMirroredStrategy) training.
-_TRAINING_JOBS = ("chief", "worker")
 
 _EXAMPLE = '{"cluster": {"worker": ["host1:12345", "host2:12345"]}, "task": {"type": "worker", "index": 0}}'
 _HINT = f"Fix: set TF_CONFIG to a JSON like {_EXAMPLE}, or unset it for a single-process run."
@@ -138,8 +137,20 @@ def global_worker_index(task_type: str, task_index: int, has_chief: bool) -> int
     return task_index + (1 if has_chief else 0)
 
 
-def _check_address(job: str, position: int, address: Any) -> str:
-    where = f'TF_CONFIG cluster job "{job}" entry {position}'
+@dataclass(frozen=True)
+class _Jobs:
+    """Which variable a cluster JSON came from and what it calls the chief's and the workers' jobs.
+
+    ``TF_CONFIG`` says ``chief``/``worker``; Vertex AI's ``CLUSTER_SPEC`` says ``workerpool0``/``workerpool1``.
+    """
+
+    variable: str = _ENV_VAR
+    chief: str = "chief"
+    worker: str = "worker"
+
+
+def _check_address(jobs: _Jobs, job: str, position: int, address: Any) -> str:
+    where = f'{jobs.variable} cluster job "{job}" entry {position}'
     if not isinstance(address, str):
         raise _error(f'{where} is {address!r}, not a "host:port" string')
     host, sep, port_text = address.rpartition(":")
@@ -154,49 +165,90 @@ def _check_address(job: str, position: int, address: Any) -> str:
     return address
 
 
-def _check_job(job: str, tasks: Any) -> tuple[str, ...]:
+def _check_job(jobs: _Jobs, job: str, tasks: Any) -> tuple[str, ...]:
     if not isinstance(tasks, list):
         raise _error(
-            f'TF_CONFIG cluster job "{job}" is {type(tasks).__name__} {tasks!r}, not a list of "host:port" strings'
+            f'{jobs.variable} cluster job "{job}" is {type(tasks).__name__} {tasks!r}, '
+            'not a list of "host:port" strings'
         )
     if not tasks:
-        raise _error(f'TF_CONFIG cluster job "{job}" is an empty list; list its "host:port" addresses')
-    return tuple(_check_address(job, i, address) for i, address in enumerate(tasks))
+        raise _error(f'{jobs.variable} cluster job "{job}" is an empty list; list its "host:port" addresses')
+    return tuple(_check_address(jobs, job, i, address) for i, address in enumerate(tasks))
 
 
-def _check_task(task: Any, jobs: Mapping[str, tuple[str, ...]]) -> tuple[str, int]:
+def _check_task(jobs: _Jobs, task: Any, cluster: Mapping[str, tuple[str, ...]]) -> tuple[str, int]:
+    name = jobs.variable
     if not isinstance(task, dict):
         raise _error(
-            f'TF_CONFIG "task" is {type(task).__name__} {task!r}, not an object like {{"type": "worker", "index": 0}}'
+            f'{name} "task" is {type(task).__name__} {task!r}, not an object like '
+            f'{{"type": "{jobs.worker}", "index": 0}}'
         )
     if "type" not in task:
-        raise _error('TF_CONFIG "task" has no "type" key (e.g. "worker")')
+        raise _error(f'{name} "task" has no "type" key (e.g. "{jobs.worker}")')
     task_type = task["type"]
-    if not isinstance(task_type, str) or task_type not in jobs:
+    if not isinstance(task_type, str) or task_type not in cluster:
         raise _error(
-            f"TF_CONFIG task type {task_type!r} is not a job in the cluster "
-            f"(the cluster has: {', '.join(sorted(jobs))})"
+            f"{name} task type {task_type!r} is not a job in the cluster "
+            f"(the cluster has: {', '.join(sorted(cluster))})"
         )
-    if task_type not in _TRAINING_JOBS:
+    if task_type not in (jobs.chief, jobs.worker):
         raise _error(
-            f'TF_CONFIG task type "{task_type}" is not supported: paraml runs synchronous '
-            'training, where every process is a "chief" or a "worker"'
+            f'{name} task type "{task_type}" is not supported: paraml runs synchronous '
+            f'training, where every process is a "{jobs.chief}" or a "{jobs.worker}"'
         )
     if "index" not in task:
-        raise _error('TF_CONFIG "task" has no "index" key (an integer position in its job)')
+        raise _error(f'{name} "task" has no "index" key (an integer position in its job)')
     index = task["index"]
-    size = len(jobs[task_type])
+    size = len(cluster[task_type])
     # bool is a subclass of int in Python, but `"index": true` is certainly a mistake.
     if not isinstance(index, int) or isinstance(index, bool):
         raise _error(
-            f'TF_CONFIG task index {index!r} is not an integer; it must be in 0..{size - 1} for job "{task_type}"'
+            f'{name} task index {index!r} is not an integer; it must be in 0..{size - 1} for job "{task_type}"'
         )
     if not 0 <= index < size:
         raise _error(
-            f'TF_CONFIG task index {index} is out of range for job "{task_type}", '
+            f'{name} task index {index} is out of range for job "{task_type}", '
             f"which has {size} task(s): valid range is 0..{size - 1}"
         )
     return task_type, index
+
+
+def _parse_cluster_json(value: str, jobs: _Jobs = _Jobs()) -> ClusterSpecInfo:
+    """Parse a cluster JSON shaped like ``TF_CONFIG`` (``jobs`` names its variable and its chief's and workers'
+    jobs); the chief's job comes first and :class:`ClusterSpecInfo` calls it ``chief``."""
+    name = jobs.variable
+    try:
+        config = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise _error(f"{name} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise _error(f"{name} is a JSON {type(config).__name__}, not a JSON object")
+    if "cluster" not in config:
+        raise _error(f'{name} has no "cluster" key')
+    cluster = config["cluster"]
+    if not isinstance(cluster, dict):
+        raise _error(
+            f'{name} "cluster" is {type(cluster).__name__} {cluster!r}, '
+            "not an object mapping job names to address lists"
+        )
+    if jobs.chief not in cluster and jobs.worker not in cluster:
+        jobs_found = ", ".join(sorted(map(str, cluster))) or "none"
+        raise _error(f'{name} "cluster" has no "{jobs.worker}" (nor "{jobs.chief}") job; jobs found: {jobs_found}')
+    addresses = {str(job): _check_job(jobs, str(job), tasks) for job, tasks in cluster.items()}
+    if len(addresses.get(jobs.chief, ())) > 1:
+        raise _error(
+            f'{name} cluster job "{jobs.chief}" has {len(addresses[jobs.chief])} addresses; a cluster has at most '
+            "one chief"
+        )
+    if "task" not in config:
+        raise _error(f'{name} has no "task" key saying which task this process is')
+    task_type, index = _check_task(jobs, config["task"], addresses)
+    return ClusterSpecInfo(
+        workers=addresses.get(jobs.chief, ()) + addresses.get(jobs.worker, ()),
+        task_type="chief" if task_type == jobs.chief else "worker",
+        task_index=index,
+        has_chief=jobs.chief in addresses,
+    )
 
 
 def parse_tf_config(value: str | None = None) -> ClusterSpecInfo | None:
@@ -232,38 +284,29 @@ def parse_tf_config(value: str | None = None) -> ClusterSpecInfo | None:
         value = os.environ.get(_ENV_VAR)
     if value is None or not value.strip():
         return None
-    try:
-        config = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise _error(f"TF_CONFIG is not valid JSON: {exc}") from exc
-    if not isinstance(config, dict):
-        raise _error(f"TF_CONFIG is a JSON {type(config).__name__}, not a JSON object")
-    if "cluster" not in config:
-        raise _error('TF_CONFIG has no "cluster" key')
-    cluster = config["cluster"]
-    if not isinstance(cluster, dict):
-        raise _error(
-            f'TF_CONFIG "cluster" is {type(cluster).__name__} {cluster!r}, '
-            "not an object mapping job names to address lists"
-        )
-    if not any(job in cluster for job in _TRAINING_JOBS):
-        jobs_found = ", ".join(sorted(map(str, cluster))) or "none"
-        raise _error(f'TF_CONFIG "cluster" has no "worker" (nor "chief") job; jobs found: {jobs_found}')
-    jobs = {str(job): _check_job(str(job), tasks) for job, tasks in cluster.items()}
-    if len(jobs.get("chief", ())) > 1:
-        raise _error(
-            f'TF_CONFIG cluster job "chief" has {len(jobs["chief"])} addresses; a cluster has at most one chief'
-        )
-    if "task" not in config:
-        raise _error('TF_CONFIG has no "task" key saying which task this process is')
-    task_type, index = _check_task(config["task"], jobs)
-    workers = jobs.get("chief", ()) + jobs.get("worker", ())
-    return ClusterSpecInfo(
-        workers=workers,
-        task_type=task_type,
-        task_index=index,
-        has_chief="chief" in jobs,
-    )
+    return _parse_cluster_json(value)
+
+
+#: Vertex AI's variable: a JSON like TF_CONFIG whose jobs are worker pools (``workerpool0`` is the chief).
+CLUSTER_SPEC_ENV = "CLUSTER_SPEC"
+_VERTEX = _Jobs(CLUSTER_SPEC_ENV, chief="workerpool0", worker="workerpool1")
+
+
+def parse_cluster_spec(value: str) -> ClusterSpecInfo:
+    """Parse Vertex AI's ``CLUSTER_SPEC``: worker pool 0 (the chief) and worker pool 1 train; pools 2 and 3
+    (reduction servers, evaluators) are validated but cannot take part in synchronous training.
+
+    Raises:
+        ClusterConfigError: The same faults as :func:`parse_tf_config`, named with ``CLUSTER_SPEC``'s keys.
+
+    Example:
+        >>> spec = ('{"cluster": {"workerpool0": ["cmle-0:2222"], "workerpool1": ["cmle-1:2222", "cmle-2:2222"]},'
+        ...         ' "task": {"type": "workerpool1", "index": 1}, "environment": "cloud"}')
+        >>> info = parse_cluster_spec(spec)
+        >>> info.workers, info.worker_index
+        (('cmle-0:2222', 'cmle-1:2222', 'cmle-2:2222'), 2)
+    """
+    return _parse_cluster_json(value, _VERTEX)
 
 
 def make_tf_config(addresses: Sequence[str], index: int) -> str:

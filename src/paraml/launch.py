@@ -1,8 +1,14 @@
-"""Local multi-worker launcher: ``paraml launch -n 2 train.py --lr 0.1``.
+"""Multi-worker launcher: ``paraml launch -n 2 train.py --lr 0.1``.
 
-Like ``torchrun`` or ``accelerate launch`` on a single machine: it starts N copies
-of a training script, gives each a ``TF_CONFIG`` describing a loopback cluster,
+Like ``torchrun`` or ``accelerate launch``: it starts N copies of a training script,
+gives each a ``TF_CONFIG`` describing the cluster (a loopback one on one machine),
 streams their output with a ``[worker i]`` prefix, and supervises them.
+
+On several machines, ``paraml launch --nnodes N --node-rank R --master HOST:PORT -n K``
+runs on each: node 0 listens on the master's port, the others send it their workers'
+addresses, and every node gets the whole list before any worker starts
+(:mod:`paraml.rendezvous`). The connections stay open while the workers run, so a
+failure on one node stops every node, and a restart restarts every node.
 
 Why a supervisor is needed: when one worker of a TensorFlow multi-worker run dies,
 the others only notice if they are inside a collective (TF aborts them after
@@ -38,8 +44,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import IO, TextIO
 
 from paraml.checks import check_int
-from paraml.cluster import make_tf_config
+from paraml.cluster import connect_timeout, make_tf_config
 from paraml.logs import is_tensorflow_noise, show_all_logs
+from paraml.rendezvous import Rendezvous, split_address
 
 __all__ = [
     "PortUnavailableError",
@@ -57,6 +64,7 @@ _POLL_INTERVAL = 0.05  # seconds between supervision polls
 _READER_JOIN_TIMEOUT = 5.0
 _PREFIX = "[paraml launch]"
 _RESTART_ENV = "PARAML_RESTART"  # 0 on the first run, k on the k-th restart
+_HOST_ENV = "PARAML_HOST"  # the address this node's workers are reached at (default: the one toward the master)
 
 
 class PortUnavailableError(OSError):
@@ -265,10 +273,22 @@ def _validate(
     port: int | None,
     stop_timeout: float,
     max_restarts: int = 0,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master: str | None = None,
 ) -> list[int]:
     """Check the launch's input before anything starts; return the ports the workers will use."""
     check_int("the number of workers", num_workers)
     check_int("the number of restarts (--max-restarts)", max_restarts, low=0)
+    check_int("the number of nodes (--nnodes)", nnodes)
+    check_int(f"the node rank (--node-rank, with --nnodes {nnodes})", node_rank, low=0, high=nnodes - 1)
+    if nnodes > 1:
+        if master is None:
+            raise ValueError(
+                f"--nnodes {nnodes} needs --master HOST:PORT: node 0's address and a free port, the same on every "
+                "node, through which the nodes exchange their workers' addresses"
+            )
+        split_address(master, "--master")
     if stop_timeout < 0:
         raise ValueError(f"stop_timeout must be >= 0 seconds, got {stop_timeout!r}")
     if isinstance(args, str):
@@ -277,26 +297,36 @@ def _validate(
         raise FileNotFoundError(f"script not found: {script}")
     if not hasattr(os, "killpg"):  # pragma: no cover
         raise OSError("paraml launch needs a POSIX system (process groups)")
-    return _check_ports_free(port, num_workers) if port is not None else find_free_ports(num_workers, _HOST)
+    return _ports(num_workers, port, nnodes)
+
+
+def _ports(num_workers: int, port: int | None, nnodes: int) -> list[int]:
+    """This node's workers' ports: ``port..port+n-1`` (checked), else free ones (on every interface across nodes)."""
+    if port is not None:
+        return _check_ports_free(port, num_workers)
+    return find_free_ports(num_workers, _HOST if nnodes == 1 else "")
 
 
 def _start_workers(
     command: Sequence[str],
     base_env: Mapping[str, str],
-    ports: Sequence[int],
+    addresses: Sequence[str],
+    first: int,
+    count: int,
     restart: int,
     lines: _WorkerLines,
     procs: list[subprocess.Popen[bytes]],
     readers: list[threading.Thread],
 ) -> None:
-    """Start one worker per port (appending to ``procs`` as each starts, so a signal mid-way leaves none unseen)."""
-    addresses = [f"{_HOST}:{p}" for p in ports]
-    for index in range(len(ports)):
+    """Start workers ``first..first+count-1`` of the cluster ``addresses`` (appending to ``procs`` as each starts, so
+    a signal mid-way leaves none unseen)."""
+    for index in range(first, first + count):
         worker_env = dict(base_env)
         worker_env.update(
             TF_CONFIG=make_tf_config(addresses, index),
             PARAML_WORKER_INDEX=str(index),
-            PARAML_NUM_WORKERS=str(len(ports)),
+            PARAML_NUM_WORKERS=str(len(addresses)),
+            PARAML_SCHEDULER="launch",  # this TF_CONFIG, even inside a scheduler's job (whose variables describe us)
             PYTHONUNBUFFERED="1",
         )
         worker_env[_RESTART_ENV] = str(restart)
@@ -324,20 +354,33 @@ def _start_workers(
 
 
 def _supervise(
-    procs: Sequence[subprocess.Popen[bytes]], stop_timeout: float, output: _Output, lines: _WorkerLines
+    procs: Sequence[subprocess.Popen[bytes]],
+    stop_timeout: float,
+    output: _Output,
+    lines: _WorkerLines,
+    first: int = 0,
+    peers: Rendezvous | None = None,
 ) -> tuple[int, int]:
-    """Wait until every worker succeeded (-> ``(-1, 0)``) or one failed (-> ``(index, code)``, the others stopped)."""
+    """Wait until every worker succeeded (-> ``(-1, 0)``), one failed (-> ``(index, code)``, the others stopped,
+    the other nodes told), or another node failed (-> ``(-1, 143)``, the workers here stopped)."""
     while True:
         codes = [_exit_code(p) for p in procs]
-        for index, code in enumerate(codes):
+        for position, code in enumerate(codes):
             if code is not None and code != 0:
+                index = first + position
                 lines.fail(index)
-                others = "; stopping the others" if len(procs) > 1 else ""
+                if peers is not None:
+                    peers.report(code)  # first: the other nodes stop while this one does
+                others = "; stopping the others" if len(procs) > 1 or peers is not None else ""
                 output.line(f"{_PREFIX} worker {index} {_describe_exit(code)}{others}")
                 _stop(procs, signal.SIGTERM, stop_timeout, output)
                 return index, code
         if all(code == 0 for code in codes):
             return -1, 0
+        if peers is not None and peers.stop_requested:
+            output.line(f"{_PREFIX} another node failed; stopping the workers on this node")
+            _stop(procs, signal.SIGTERM, stop_timeout, output)
+            return -1, 128 + signal.SIGTERM
         time.sleep(_POLL_INTERVAL)
 
 
@@ -360,6 +403,9 @@ def launch(
     port: int | None = None,
     stop_timeout: float = 10.0,
     max_restarts: int = 0,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master: str | None = None,
     python: str = sys.executable,
     env: Mapping[str, str] | None = None,
     out: TextIO | None = None,
@@ -388,14 +434,24 @@ def launch(
     and end the launch: they never cause a restart. No worker is left running
     when this function returns or raises.
 
+    With ``nnodes > 1``, run this on each of ``nnodes`` machines with its ``node_rank`` and the same ``master``
+    (``"HOST:PORT"`` of node 0, where node 0 listens): before each run the nodes exchange their workers' addresses
+    through it (waiting at most ``PARAML_CONNECT_TIMEOUT`` seconds), node ``r``'s workers being numbered after
+    those of the nodes before it. A failure on any node stops the workers on every node; then every node restarts
+    (give every node the same ``max_restarts``) or ends with the code of the worker that failed first. Each node's
+    workers advertise ``PARAML_HOST`` when set, else the address the node reaches the master from.
+
     Args:
         script: Path of the Python script to run.
         args: Arguments passed to the script.
-        num_workers: Number of worker processes (>= 1).
+        num_workers: Number of worker processes (>= 1), on this node.
         port: First port of a contiguous range ``port..port+num_workers-1`` to use;
             by default free ports are picked automatically (fresh ones for each restart).
         stop_timeout: Grace period in seconds between SIGTERM/SIGINT and SIGKILL.
         max_restarts: How many times to start all workers again after a failure (>= 0; 0: never).
+        nnodes: How many machines run a launcher (>= 1).
+        node_rank: This machine's rank, in 0..nnodes-1 (node 0 runs the master).
+        master: ``"HOST:PORT"`` of node 0 through which the nodes exchange addresses (needed when ``nnodes > 1``).
         python: Python interpreter to run the script with.
         env: Base environment for the workers (default: ``os.environ``).
         out: Where to write the workers' prefixed output (default: ``sys.stdout``
@@ -408,8 +464,10 @@ def launch(
         130 after Ctrl-C, 143 after SIGTERM.
 
     Raises:
-        ValueError: ``num_workers < 1``, ``max_restarts < 0``, ``stop_timeout < 0`` or
-            a port range out of 1..65535.
+        ValueError: ``num_workers < 1``, ``max_restarts < 0``, ``stop_timeout < 0``,
+            a port range out of 1..65535, a ``node_rank`` out of range, ``nnodes > 1`` without a
+            valid ``master``, or (a :class:`~paraml.cluster.ClusterConfigError`) an exchange that
+            failed or timed out.
         TypeError: ``args`` is a single string instead of a sequence of strings.
         FileNotFoundError: ``script`` does not exist.
         PortUnavailableError: A port of the ``port`` range is already in use (checked
@@ -421,7 +479,7 @@ def launch(
         [worker 1] epoch 1 loss 0.31
         0
     """
-    ports = _validate(script, args, num_workers, port, stop_timeout, max_restarts)
+    ports = _validate(script, args, num_workers, port, stop_timeout, max_restarts, nnodes, node_rank, master)
     base_env = dict(os.environ if env is None else env)
     command = [python, "-u", script, *args]
     output = _Output(sys.stdout if out is None else out)
@@ -429,6 +487,7 @@ def launch(
 
     procs: list[subprocess.Popen[bytes]] = []  # the current run's workers
     readers: list[threading.Thread] = []
+    peers: Rendezvous | None = None  # the other nodes of the current run
     previous_sigterm = None
     installed_sigterm = False
     try:
@@ -440,25 +499,52 @@ def launch(
         restart = 0
         while True:
             lines = _WorkerLines(output)
-            _start_workers(command, base_env, ports, restart, lines, procs, readers)
-            index, code = _supervise(procs, stop_timeout, output, lines)
+            addresses, first = [f"{_HOST}:{p}" for p in ports], 0
+            if nnodes > 1:
+                assert master is not None
+                peers = Rendezvous.join(
+                    master,
+                    node_rank,
+                    nnodes,
+                    ports,
+                    host=base_env.get(_HOST_ENV),
+                    timeout=connect_timeout(),
+                    round=restart,
+                    keep_open=True,
+                    variables="--master",
+                )
+                addresses = peers.workers
+                first = sum(len(group) for group in peers.addresses[:node_rank])
+            _start_workers(command, base_env, addresses, first, len(ports), restart, lines, procs, readers)
+            index, code = _supervise(procs, stop_timeout, output, lines, first, peers)
             _reap(procs, readers)  # every process of this run is gone before the next starts
+            failed = f"worker {index} {_describe_exit(code)}"
+            final = False
+            if peers is not None:
+                peers.report(code)
+                code, final, failed_node = peers.outcome()
+                peers.close()
+                peers = None
+                if failed_node != node_rank and code:
+                    failed = f"node {failed_node} failed first (exit code {code})"
             if code == 0:
                 return 0
-            if restart >= max_restarts:
+            if final or restart >= max_restarts:
                 if max_restarts:
-                    errors.line(
-                        f"paraml launch: worker {index} {_describe_exit(code)}; no restarts left ({max_restarts} used)"
-                    )
-                errors.line(lines.summary(code))
+                    why = f"no restarts left ({restart} used)" if restart >= max_restarts else "not restarted: a node "
+                    why += "" if restart >= max_restarts else "was stopped by a signal or lost"
+                    errors.line(f"paraml launch: {failed}; {why}")
+                errors.line(lines.summary(code) if lines.failed is not None else f"paraml launch: {failed}")
                 return code
             restart += 1
-            errors.line(f"paraml launch: worker {index} {_describe_exit(code)}; restart {restart} of {max_restarts}")
+            errors.line(f"paraml launch: {failed}; restart {restart} of {max_restarts}")
             # Fresh ports: the dead run's may linger or be taken; a given range is checked again.
-            ports = find_free_ports(num_workers, _HOST) if port is None else _check_ports_free(port, num_workers)
+            ports = _ports(num_workers, port, nnodes)
     except (KeyboardInterrupt, _Terminated) as exc:
         sig = signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM
         output.line(f"{_PREFIX} received {sig.name}; stopping the workers")
+        if peers is not None:
+            peers.report(128 + sig, final=True)  # the other nodes stop too, and nobody restarts
         _stop(procs, sig, stop_timeout, output)
         return 128 + sig
     finally:
@@ -471,6 +557,8 @@ def launch(
                 signal.SIG_DFL if previous_sigterm is None else previous_sigterm,
             )
         _reap(procs, readers)
+        if peers is not None:
+            peers.close()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -513,11 +601,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "to N times; training resumes only from fit(checkpoint_dir=...), otherwise it starts over (default: 0)",
     )
     parser.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="machines that each run this launcher with their own --node-rank and the same --master (default: 1)",
+    )
+    parser.add_argument(
+        "--node-rank", type=int, default=0, metavar="R", help="this machine's rank in 0..N-1 (default: 0)"
+    )
+    parser.add_argument(
+        "--master",
+        default=None,
+        metavar="HOST:PORT",
+        help="node 0's address and a free port there, through which the nodes exchange their workers' addresses "
+        "(needed with --nnodes > 1)",
+    )
+    parser.add_argument(
         "--isolate-network",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
         help="run the workers in a private network namespace with only loopback, so TensorFlow's unauthenticated "
-        "ports are reachable from nothing but the workers (default: on where the machine allows it)",
+        "ports are reachable from nothing but the workers (default: on where the machine allows it, with one node; "
+        "impossible across nodes)",
     )
     parser.add_argument("script", help="Python training script to run on every worker")
     parser.add_argument(
@@ -622,12 +728,19 @@ def run_from_args(ns: argparse.Namespace) -> int:
         >>> run_from_args(p.parse_args(["-n", "2", "train.py"]))  # doctest: +SKIP
         0
     """
+    nodes = {key: getattr(ns, key, default) for key, default in (("nnodes", 1), ("node_rank", 0), ("master", None))}
+    isolate = getattr(ns, "isolate_network", False)
     try:
+        if isolate and nodes["nnodes"] != 1:
+            raise ValueError(
+                "--isolate-network cannot be used with --nnodes > 1: the workers of the other nodes must reach this "
+                "node's workers over the network (firewall their ports instead; see docs/cluster.md, Security)"
+            )
         if os.environ.get(_NETNS_ENV) == "1":
             bring_loopback_up()
-        elif getattr(ns, "isolate_network", False):
+        elif isolate or (isolate is None and nodes["nnodes"] == 1):
             max_restarts = getattr(ns, "max_restarts", 0)
-            _validate(ns.script, ns.script_args, ns.num_workers, ns.port, ns.stop_timeout, max_restarts)  # errors first
+            _validate(ns.script, ns.script_args, ns.num_workers, ns.port, ns.stop_timeout, max_restarts, **nodes)
             prefix = isolation_prefix()
             if prefix is not None:
                 return _run_isolated(prefix, ns)
@@ -643,6 +756,7 @@ def run_from_args(ns: argparse.Namespace) -> int:
             port=ns.port,
             stop_timeout=ns.stop_timeout,
             max_restarts=getattr(ns, "max_restarts", 0),
+            **nodes,
         )
     except (ValueError, OSError) as exc:  # FileNotFoundError is an OSError
         message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)

@@ -16,8 +16,9 @@ from typing import Any
 import tensorflow as tf
 
 from ..checks import check_choice
-from ..cluster import ClusterConfigError, connect_timeout, global_worker_index, parse_tf_config, wait_for_workers
+from ..cluster import connect_timeout, global_worker_index, wait_for_workers
 from ..devices import canonical_device, resolve_devices
+from ..schedulers import setup_tf_config
 from .base import Backend, Capabilities, DeviceSpec, Layout, Topology
 from .registry import register
 
@@ -221,8 +222,9 @@ class MultiWorkerBackend(StrategyBackend):
     """Many machines (``tf.distribute.MultiWorkerMirroredStrategy``): every worker process runs the same script;
     TensorFlow's collective all-reduce over gRPC keeps their variables identical.
 
-    The cluster comes from ``TF_CONFIG`` (``paraml launch`` sets it for local runs) or from the option
-    ``cluster_resolver`` (any ``tf.distribute.cluster_resolver`` object, e.g. ``SlurmClusterResolver``).
+    The cluster comes from ``TF_CONFIG`` (``paraml launch`` sets it), else from a scheduler's variables (Slurm,
+    Vertex AI, Kubernetes, Kubeflow, SageMaker, MPI: :mod:`paraml.schedulers`), or from the option
+    ``cluster_resolver`` (any ``tf.distribute.cluster_resolver`` object).
     ``communication`` is ``"auto"``, ``"ring"`` or ``"nccl"``. Each worker uses its local devices (every GPU, else
     the CPU). Create it at program start: TensorFlow must not have initialised its devices yet. Option
     ``shard_optimizer=True`` keeps each variable's optimizer slots on one replica of one worker (:mod:`paraml.zero`).
@@ -266,13 +268,7 @@ def multi_worker_strategy(
     communication = check_choice("communication", options.get("communication", "auto"), _COMMUNICATION)
     resolver = options.get("cluster_resolver")
     if resolver is None:
-        cluster = parse_tf_config()
-        if cluster is None:
-            raise ClusterConfigError(
-                f"strategy {strategy!r} needs a cluster: TF_CONFIG is not set. Start the script with "
-                "`paraml launch -n 2 script.py` (it sets TF_CONFIG), set TF_CONFIG yourself, or pass "
-                "cluster_resolver="
-            )
+        cluster = setup_tf_config(required=True)  # TF_CONFIG, else set from a scheduler's variables
         if cluster.num_workers > 1:  # TensorFlow's own wait for the others can be ended by nothing
             wait_for_workers(cluster, connect_timeout())
         if one_replica:

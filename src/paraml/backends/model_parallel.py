@@ -41,12 +41,12 @@ import keras
 import tensorflow as tf
 
 from ..checks import check_choice, check_int
-from ..cluster import parse_tf_config
 from ..devices import device_memory, resolve_devices
 from ..masks import concat_with_masks, keras_masks
 from ..optimizers import optimizer_slots_per_param
 from ..partition import LayerCost, PartitionPlan, Stage, layer_cost, make_plan
 from ..remat import recomputing
+from ..schedulers import setup_tf_config
 from ..schedules import SCHEDULES, Schedule
 from ..sizes import format_bytes, parse_size
 from ..units import HostModel, build_on_host, model_units, observation_notes, unit_costs
@@ -103,7 +103,7 @@ class ModelParallelBackend(StrategyBackend):
         schedule = check_choice("schedule", options.get("schedule", "gpipe"), SCHEDULES)
         memory = options.get("device_memory")
         self.data_parallel: int = check_int("data_parallel", options.get("data_parallel", 1))
-        cluster = parse_tf_config()
+        cluster = setup_tf_config()  # TF_CONFIG, else set from a scheduler's variables (paraml.schedulers)
         #: Whether this process is one worker of a cluster: its pipeline is data parallel with the other workers'.
         self.in_cluster: bool = cluster is not None and cluster.num_workers > 1
         #: ``grid[r][s]``: the device of stage ``s`` of this worker's pipeline ``r`` (set by ``make_strategy``).
@@ -146,7 +146,7 @@ class ModelParallelBackend(StrategyBackend):
         if self.in_cluster:
             if self.data_parallel != 1:
                 raise ValueError(
-                    f"data_parallel={self.data_parallel} with a cluster (TF_CONFIG names several workers): each worker "
+                    f"data_parallel={self.data_parallel} in a cluster of several workers: each worker "
                     "runs one pipeline over its devices and the workers are its data-parallel copies; use "
                     "data_parallel=1 (the default)"
                 )
