@@ -248,7 +248,7 @@ def test_tutorial_flow_survives_a_sigterm(tmp_path):
     epochs = [line for line in resumed.stdout.splitlines() if line.startswith("[worker 0] epoch")]
     assert epochs == ["[worker 0] epoch 1 begins", "[worker 0] epoch 2 begins", "[worker 0] epoch 3 begins"]
     first = [line for line in resumed.stdout.splitlines() if line.startswith("[worker 0] step")][0]
-    assert first == "[worker 0] step 15", first  # mid epoch 1, at the step after the one the signal stopped
+    assert first == "[worker 0] step 16", first  # mid epoch 1, after step 15, where the signal stopped both
     for i in range(2):
         got = np.load(out / f"w{i}.npz")
         for key in want[i].files:

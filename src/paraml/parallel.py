@@ -43,6 +43,8 @@ _NOT_HERE = {
     "shard_optimizer": " (only 'mirrored' and 'multi_worker' shard optimizer state: they keep a copy per device, "
     "which 'single', 'central_storage' and 'model_parallel' do not)",
     "schedule": " (a pipeline schedule: only 'model_parallel' pipelines)",
+    "data_parallel": " (copies of a pipeline: only 'model_parallel' pipelines; the data-parallel strategies make "
+    "every device a copy already)",
 }
 
 Verbose = int | str | bool

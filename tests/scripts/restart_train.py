@@ -1,14 +1,15 @@
 """A worker of `paraml launch --max-restarts`: trains with checkpoint_dir and kills itself where it is told to.
 
-Usage: restart_train.py OUT_DIR [--epochs E] [--checkpoint-every N] [--kill RESTART:WORKER:STEP ...]
+Usage: restart_train.py OUT_DIR [--epochs E] [--checkpoint-every N] [--kill RESTART:WORKER:STEP ...] [--pipeline]
 
-- Trains digits_model on the digits data with Parallel("multi_worker") and ``fit(checkpoint_dir=OUT_DIR/ckpt)``.
+- Trains digits_model on the digits data with Parallel("multi_worker") and ``fit(checkpoint_dir=OUT_DIR/ckpt)``;
+  ``--pipeline``: with Parallel("model_parallel", micro_batches=2) instead, each worker a 2-stage pipeline over its
+  2 simulated devices, the workers its data-parallel copies.
 - ``--kill R:W:S``: on run R (``PARAML_RESTART`` == R), worker W SIGKILLs itself right after global step S
   (counted from the start of training over all epochs, 1-based). Several may be given.
 - Writes ``OUT_DIR/pid-r{R}-w{W}`` (its PID), appends events to ``OUT_DIR/events.jsonl`` (start, first step, kill,
   done, with global steps; ``benchmarks/bench_faults.py`` times them as they arrive); the chief saves the final
-  weights to
-  ``OUT_DIR/weights.npz``.
+  weights to ``OUT_DIR/weights.npz``, every worker to ``OUT_DIR/weights-w{W}.npz``.
 """
 
 import argparse
@@ -23,6 +24,7 @@ parser.add_argument("out")
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--checkpoint-every", type=int, default=None)
 parser.add_argument("--kill", action="append", default=[], help="RESTART:WORKER:STEP")
+parser.add_argument("--pipeline", action="store_true", help="model_parallel: a 2-stage pipeline per worker")
 args = parser.parse_args()
 
 RESTART = int(os.environ.get("PARAML_RESTART", "0"))
@@ -45,9 +47,15 @@ for spec in args.kill:
     if restart == RESTART and worker == INDEX:
         kills.add(step)
 
+import paraml  # noqa: E402
 from paraml import Parallel  # noqa: E402
 
-par = Parallel("multi_worker", seed=0)  # first: the strategy must exist before TF initialises its devices
+# First: the strategy must exist before TF initialises its devices (simulating them initialises nothing).
+if args.pipeline:
+    paraml.simulate_devices(2)
+    par = Parallel("model_parallel", seed=0, micro_batches=2)
+else:
+    par = Parallel("multi_worker", seed=0)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -92,5 +100,6 @@ par.fit(
 )
 if par.is_chief:
     np.savez(os.path.join(args.out, "weights.npz"), *par.model.get_weights())
+np.savez(os.path.join(args.out, f"weights-w{INDEX}.npz"), *par.model.get_weights())
 event("done", step=faults.last)
 print(f"done on run {RESTART}", flush=True)
