@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         (Spec("model_parallel", 4, options={"micro_batches": 4}, tag="1x4"), work),
         (Spec("model_parallel", 4, options={"micro_batches": 2, "data_parallel": 2}, tag="2x2"), work),
     ]
-    results, _ = measure(plan, args.windows, progress=progress_printer("[bench]"))
+    results, _ = measure(plan, args.windows, progress=progress_printer("bench"))
     by_label = {r.label: r for r in results}
     mirrored, one, two = (by_label[spec.label] for spec, _ in plan)
 
