@@ -60,6 +60,15 @@ def test_a_model_that_does_not_fit_picks_model_parallel():
     assert "does not fit" in text and "1.20 MiB" in text and "optimizer slots" in text and "MiB" in text
 
 
+def test_auto_runs_copies_of_the_shortest_pipeline_that_fits():
+    """4 devices, a model that fits on 2 but not 1: two copies of a 2-stage pipeline, not one of 4 stages."""
+    par = Parallel("auto", devices=4, device_memory="1.2MiB")  # the model needs ~1.3 MiB, its largest unit ~1.0
+    par.build(wide, optimizer="adam", loss="mse")
+    assert par.strategy == "model_parallel"
+    assert (par.num_replicas, par.backend.topology.layout.stages) == (2, 2)
+    assert "as 2 copies of a 2-stage pipeline (data_parallel=2)" in par.explain()
+
+
 def test_a_layer_larger_than_a_device_is_named_when_auto_picks_model_parallel():
     par = Parallel("auto", devices=2, device_memory="64KiB")
     with pytest.raises(ValueError, match=r"unit 'dense_\d+' needs 1.0\d MiB .*than a device's 64.00 KiB"):

@@ -8,7 +8,9 @@ The rule, in order:
 3. more than one device, and the model fits on one device with less memory per device for the same weights
    (:data:`SAVINGS`, in order: the optimizer state sharded over the replicas, the activations recomputed, both) ->
    ``mirrored`` with the first that fits (``shard_optimizer=True``, ``remat=True``);
-4. more than one device (the model does not fit on one) -> ``model_parallel`` with a balanced partition;
+4. more than one device (the model does not fit on one) -> ``model_parallel`` with a balanced partition, over the
+   fewest stages whose largest fits a device, the other devices running copies of that pipeline (``data_parallel``,
+   :func:`pipeline_copies`);
 5. otherwise -> ``single`` (with ``remat=True`` when one device's known memory needs it).
 
 Device memory comes from TensorFlow where it can tell (GPUs), else from the ``device_memory`` option
@@ -21,10 +23,11 @@ chosen backend so that ``model_parallel`` plans from that build instead of makin
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .memory import MemoryEstimate
+from .partition import LayerCost, make_plan
 from .sizes import format_bytes, parse_size
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -33,7 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .backends.base import Backend, DeviceSpec
     from .units import HostModel
 
-__all__ = ["AUTO_OPTIONS", "SAVINGS", "AutoChoice", "AutoDecision", "decide"]
+__all__ = ["AUTO_OPTIONS", "SAVINGS", "AutoChoice", "AutoDecision", "decide", "pipeline_copies"]
 
 #: Options of ``Parallel("auto")``: its own, and those it passes to ``model_parallel`` if it picks it.
 AUTO_OPTIONS = ("device_memory", "batch_size", "sample", "partition", "micro_batches")
@@ -54,6 +57,8 @@ class AutoDecision:
 
     ``settings`` are the memory savings it turned on (``{"remat": True}``, ``{"shard_optimizer": True}``), with
     ``saved_estimate`` the estimate with them; ``tried`` every saving estimated, when none made the model fit.
+    ``copies`` are the copies of the ``model_parallel`` pipeline (``data_parallel``), ``largest_stage`` the bytes
+    of its largest stage.
     """
 
     strategy: str
@@ -64,6 +69,8 @@ class AutoDecision:
     settings: dict[str, bool] = field(default_factory=dict)
     saved_estimate: MemoryEstimate | None = None
     tried: tuple[tuple[dict[str, bool], MemoryEstimate], ...] = ()
+    copies: int = 1
+    largest_stage: int | None = None
 
     @property
     def remat(self) -> bool:
@@ -97,9 +104,16 @@ class AutoDecision:
         if self.strategy == "mirrored":
             return f"chose 'mirrored' on {self.num_devices} devices: the model fits on one device: {need}; {have}"
         more = "".join(f", with {_settings(k)} {format_bytes(e.total)}" for k, e in self.tried)
+        layout = ""
+        if self.copies > 1 and self.largest_stage is not None:
+            stages = self.num_devices // self.copies
+            layout = (
+                f"; as {self.copies} copies of a {stages}-stage pipeline (data_parallel={self.copies}): the fewest "
+                f"stages whose largest fits, {format_bytes(self.largest_stage)}"
+            )
         return (
             f"chose 'model_parallel' on {self.num_devices} devices: the model does not fit on one device: "
-            f"{need}{more} > {have}"
+            f"{need}{more} > {have}{layout}"
         )
 
 
@@ -156,6 +170,30 @@ def decide(
     return AutoDecision(strategy, num_workers, num_devices, estimate, device_memory, dict(saved[0]), saved[1])
 
 
+def pipeline_copies(
+    costs: Sequence[LayerCost], num_devices: int, device_memory: int, slots_per_param: int
+) -> tuple[int, int | None]:
+    """How many copies of a balanced pipeline ``num_devices`` devices run: the fewest stages (a divisor of
+    ``num_devices``, at least 2) whose largest stage fits ``device_memory``, the other devices holding copies; and
+    that largest stage's bytes. One copy (and None) when only all the devices together fit it.
+
+    Example:
+        >>> from paraml.partition import LayerCost
+        >>> costs = [LayerCost(f"dense_{i}", 100, 0) for i in range(8)]    # 100 bytes each, no activations
+        >>> pipeline_copies(costs, 4, device_memory=900, slots_per_param=2)  # 400 bytes a unit: 4 stages of 800
+        (1, None)
+        >>> pipeline_copies(costs, 4, device_memory=1700, slots_per_param=2)  # two stages of 1600 fit
+        (2, 1600)
+    """
+    for stages in range(2, num_devices):
+        if num_devices % stages or stages > len(costs):
+            continue
+        largest = make_plan(list(costs), "balanced", stages, slots_per_param).largest_stage_bytes
+        if largest <= device_memory:
+            return num_devices // stages, largest
+    return 1, None
+
+
 class AutoChoice:
     """The pending choice of ``Parallel("auto", devices, **options)``: made at once for a cluster, else at build.
 
@@ -192,20 +230,22 @@ class AutoChoice:
         from . import backends
         from .devices import device_memory
         from .memory import estimate_memory
+        from .optimizers import optimizer_slots_per_param
         from .remat import recomputing
-        from .units import build_on_host
+        from .units import build_on_host, unit_costs
 
         devices = self.local_devices()
         memory = self.options.get("device_memory")
         if memory is None:
             memory = device_memory(devices[0])
-        estimate, savings, host = None, [], None
+        estimate, savings, host, as_is = None, [], None, None
         if len(devices) > 1 or memory is not None:  # measured on the host: the model may not fit on one accelerator
             host = build_on_host(model_fn)
             measure = {"batch_size": self.options.get("batch_size", 32), "optimizer": optimizer}
             sample = self.options.get("sample")
             observed = host.observe(sample=sample, recompute=recomputing if remat else None)
             estimate = estimate_memory(host.model, remat=remat, observation=observed, **measure)
+            as_is = observed
             if memory is not None and estimate.total > memory:
                 for settings in SAVINGS:
                     if (settings.get("shard_optimizer") and len(devices) < 2) or (remat and "remat" not in settings):
@@ -220,8 +260,16 @@ class AutoChoice:
         self.decision = decide(
             num_workers=1, num_devices=len(devices), estimate=estimate, device_memory=memory, savings=savings
         )
+        partition = self.options.get("partition", "balanced")
+        if self.decision.strategy == "model_parallel" and as_is is not None and memory and partition == "balanced":
+            slots = optimizer_slots_per_param(optimizer)
+            costs = unit_costs(as_is, measure["batch_size"], remat=remat)
+            copies, largest = pipeline_copies(costs, len(devices), memory, slots)
+            self.decision = replace(self.decision, copies=copies, largest_stage=largest)
         chosen = backends.get_backend(self.decision.strategy)
         passed = {k: v for k, v in self.options.items() if k in chosen.option_names}
+        if self.decision.copies > 1:
+            passed["data_parallel"] = self.decision.copies
         if self.decision.shard_optimizer:
             passed["shard_optimizer"] = True
         self.backend = chosen(self.devices if len(devices) > 1 else devices, **passed)
