@@ -232,3 +232,23 @@ def test_jobs_inherit_the_callers_dtype_policy():
         assert result.model.layers[0].compute_dtype == "bfloat16"
     finally:
         keras.config.set_dtype_policy("float32")
+
+
+def test_jobs_of_two_devices_train_as_pipelines_side_by_side(data):
+    """devices_per_job=2 on 4 devices: two jobs at once, each a model_parallel pipeline over its own two devices,
+    ending with the weights it gets alone under single."""
+    jobs = [classifier_job(name, data, seed=3) for name in ("a", "b")]
+    results = fit_many(jobs, devices=4, devices_per_job=2, verbose=0)
+    groups = {results[name].devices for name in ("a", "b")}
+    assert groups == {("/device:CPU:0", "/device:CPU:1"), ("/device:CPU:2", "/device:CPU:3")}
+    alone = Parallel("single", seed=3)
+    alone.build(small_mlp, optimizer=keras.optimizers.SGD(0.1), loss=logits_loss())
+    alone.fit(*data, batch_size=32, epochs=2, verbose=0)
+    for name in ("a", "b"):
+        result = results[name]
+        assert result.ok, result.error
+        assert placements(result.model) <= set(result.devices) and len(placements(result.model)) == 2
+        for got, want in zip(result.model.get_weights(), alone.model.get_weights()):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="devices_per_job=3 needs at least that many devices, got 2"):
+        fit_many(jobs, devices=2, devices_per_job=3)

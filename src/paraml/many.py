@@ -201,6 +201,7 @@ class JobResult:
     - ``seconds``: wall time of the job (data, build, fit, evaluate).
     - ``error``: ``"ExceptionType: message"`` if the job failed, else ``None``; ``ok`` is ``error is None``.
     - ``model``: the trained model (left out of ``repr`` and ``==``), ``None`` if building failed.
+    - ``devices``: every device of the job (``device`` is the first): several under ``devices_per_job``.
 
     >>> r = JobResult("a", "/device:CPU:0", {"loss": [0.5, 0.25]}, {"loss": 0.25}, 1.5, None)
     >>> r.ok, r.metrics["loss"]
@@ -216,6 +217,7 @@ class JobResult:
     seconds: float
     error: str | None = None
     model: keras.Model | None = field(default=None, repr=False, compare=False)
+    devices: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -248,8 +250,10 @@ def _format_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _run_job(job: Job, device: str, stop: threading.Event) -> JobResult:
-    """Build, fit and evaluate ``job`` on ``device``; never raises (a failure becomes ``JobResult.error``)."""
+def _run_job(job: Job, group: tuple[str, ...], stop: threading.Event) -> JobResult:
+    """Build, fit and evaluate ``job`` on the devices of ``group`` (one: ``single``; several: a ``model_parallel``
+    pipeline over them); never raises (a failure becomes ``JobResult.error``)."""
+    device = group[0]
     start = time.perf_counter()
     model: keras.Model | None = None
     history: dict[str, list[float]] = {}
@@ -257,7 +261,10 @@ def _run_job(job: Job, device: str, stop: threading.Event) -> JobResult:
     error: str | None = None
     try:
         data = job.resolve_data()
-        par = Parallel("single", devices=[device], seed=job.seed)
+        if len(group) == 1:
+            par = Parallel("single", devices=[device], seed=job.seed)
+        else:
+            par = Parallel("model_parallel", devices=list(group), seed=job.seed)
         with _BUILD_LOCK, tf.device(device):  # the generators Keras draws initial weights from are process-global
             model = par.build(job.model_fn, **job.compile)
         fit_kwargs = dict(job.fit)
@@ -284,7 +291,7 @@ def _run_job(job: Job, device: str, stop: threading.Event) -> JobResult:
             metrics = {k: values[-1] for k, values in history.items() if values}
     except Exception as caught:  # a job's failure must not stop the others
         error = _format_error(caught)
-    return JobResult(job.name, device, history, metrics, time.perf_counter() - start, error, model)
+    return JobResult(job.name, device, history, metrics, time.perf_counter() - start, error, model, group)
 
 
 def _summary(metrics: Mapping[str, float]) -> str:
@@ -296,6 +303,7 @@ def fit_many(
     jobs: Sequence[Job],
     devices: None | int | str | Sequence[str] = None,
     *,
+    devices_per_job: int = 1,
     verbose: int = 1,
     out: TextIO | None = None,
 ) -> dict[str, JobResult]:
@@ -306,7 +314,9 @@ def fit_many(
     more jobs than devices the rest wait and start as devices become free. Each job runs on exactly one device,
     built with ``Parallel("single", devices=[device], seed=job.seed)`` (see the module docstring).
     A job that raises, or whose loss becomes NaN or inf (training stops at that batch), gets a result with
-    ``error`` set; the others go on. The returned dict is ordered like ``jobs``. With ``verbose`` (default), one
+    ``error`` set; the others go on. The returned dict is ordered like ``jobs``. ``devices_per_job=k`` gives each
+    job k devices (consecutive ones) and trains it as a ``model_parallel`` pipeline over them, for models too big for
+    one device: the layout of many pipelines side by side. With ``verbose`` (default), one
     line per start and end goes to ``out`` (default ``sys.stdout``). Building sets the global seeds, as
     ``Parallel(seed=...).build`` does.
 
@@ -327,7 +337,14 @@ def fit_many(
     jobs = check_named(jobs, Job, "fit_many's list of jobs")
     check_int("verbose", verbose, low=0)
     stream = out if out is not None else sys.stdout
-    pool = [canonical_device(d) for d in resolve_devices(devices)][: len(jobs)]
+    check_int("devices_per_job", devices_per_job)
+    found = [canonical_device(d) for d in resolve_devices(devices)]
+    if len(found) < devices_per_job:
+        raise ValueError(
+            f"devices_per_job={devices_per_job} needs at least that many devices, got {len(found)}: {found}"
+        )
+    groups = [tuple(found[i : i + devices_per_job]) for i in range(0, len(found), devices_per_job)]
+    pool = [g for g in groups if len(g) == devices_per_job][: len(jobs)]  # leftover devices stay idle
 
     pending: queue.Queue[tuple[int, Job]] = queue.Queue()
     for item in enumerate(jobs):
@@ -341,7 +358,8 @@ def fit_many(
         if verbose:
             print(f"[fit_many] {line}", file=stream, flush=True)
 
-    def work(device: str) -> None:
+    def work(group: tuple[str, ...]) -> None:
+        device = ", ".join(group)
         while not stop.is_set():
             with lock:
                 try:
@@ -354,7 +372,7 @@ def fit_many(
                     f"job {job.name!r} started on {device} "
                     f"({counts['running']}/{len(pool)} running, {counts['queued']} queued)"
                 )
-            result = _run_job(job, device, stop)
+            result = _run_job(job, group, stop)
             with lock:
                 counts["running"] -= 1
                 results[index] = result
@@ -364,16 +382,16 @@ def fit_many(
     crashes: list[BaseException] = []
     policy = keras.config.dtype_policy()  # Keras keeps it per thread: carry the caller's into the workers
 
-    def worker(device: str) -> None:
+    def worker(group: tuple[str, ...]) -> None:
         try:
             keras.config.set_dtype_policy(policy)
-            work(device)
+            work(group)
         except BaseException as error:  # fit_many's own failure (e.g. writing to `out`), not a job's: stop all
             crashes.append(error)
             stop.set()
 
     start = time.perf_counter()
-    threads = [threading.Thread(target=worker, args=(d,), name=f"fit_many {d}", daemon=True) for d in pool]
+    threads = [threading.Thread(target=worker, args=(g,), name=f"fit_many {g[0]}", daemon=True) for g in pool]
     for thread in threads:
         thread.start()
     try:
@@ -390,7 +408,7 @@ def fit_many(
     done = [r for r in results if r is not None]
     failed = sum(not r.ok for r in done)
     say(
-        f"{len(done)} job(s) on {len(pool)} device(s) in {time.perf_counter() - start:.1f}s: "
+        f"{len(done)} job(s) on {len(pool) * devices_per_job} device(s) in {time.perf_counter() - start:.1f}s: "
         f"{len(done) - failed} ok, {failed} failed"
     )
     return {job.name: result for job, result in zip(jobs, results) if result is not None}
