@@ -7,8 +7,9 @@ variant gets the same devices and the same global batch; the pipelines use ``mic
 process, windows interleaved, step times from the end of each fit call's first batch to its last; the ratios are
 medians of per-round ratios.
 
-On logical CPUs all four devices share two cores, so the figures say what each layout costs in this machine's terms
-(copies of activations between stages, the pipeline bubble, the all-reduce), not what GPUs would gain. The gradient
+The devices are 4 GPUs when the machine has them, else 4 logical CPUs. On logical CPUs all four share two cores, so
+the figures say what each layout costs in this machine's terms (copies of activations between stages, the pipeline
+bubble, the all-reduce), not what GPUs would gain. The gradient
 all-reduce of 2 x 2 is among 2 copies of each stage (half the model each), that of ``mirrored`` among 4 copies of
 the whole model.
 
@@ -37,9 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the JSON record to PATH")
     args = parser.parse_args(argv)
 
-    from paraml import simulate_devices
+    from paraml import ensure_devices
 
-    simulate_devices(4)
+    ensure_devices(4)  # 4 GPUs when the machine has them, else 4 logical CPUs
     import keras
     import numpy as np
 

@@ -1,14 +1,15 @@
 """``shard_optimizer=True``: optimizer bytes per device and step time under ``mirrored``, and each worker's
 memory peak under ``multi_worker``, against unsharded.
 
-A model whose state dominates (six Dense layers of 1024, Adam). ``mirrored`` on N = 2 and 4 simulated devices:
-bytes per device read from where the variables live (:meth:`paraml.Parallel.memory_by_device`); step times measured
-in one process with the sharded and unsharded variants interleaved (:func:`paraml.benchmark.interleave`), reported
-as the median of per-window ratios (sharded / unsharded). On logical CPUs all devices share one allocator and two
+A model whose state dominates (six Dense layers of 1024, Adam). ``mirrored`` on N = 2 and 4 devices (GPUs when the
+machine has 4, else logical CPUs): bytes per device read from where the variables live
+(:meth:`paraml.Parallel.memory_by_device`); step times measured in one process with the sharded and unsharded
+variants interleaved (:func:`paraml.benchmark.interleave`), reported as the median of per-window ratios (sharded /
+unsharded). On logical CPUs all devices share one allocator and two
 cores, so the time ratio is the overhead of the owner's update and its broadcast, not a GPU's.
 
 ``--workers 2``: ``paraml launch -n 2`` of this file once unsharded and once sharded; each worker process (one
-allocator each) reports from its allocator (``get_memory_info("CPU:0")``) what is allocated after build (the
+allocator each) reports from its first device's allocator (``get_memory_info``) what is allocated after build (the
 weights and the optimizer state), the peak of a first epoch (the process's peak: build, tracing, 8 steps) and the
 median of the next epoch's per-step peaks.
 
@@ -57,16 +58,17 @@ def worker(shard: bool) -> None:
 
     class StepPeak(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch: int, logs: object = None) -> None:
-            tf.config.experimental.reset_memory_stats("CPU:0")
+            tf.config.experimental.reset_memory_stats(device)
 
         def on_train_batch_end(self, batch: int, logs: object = None) -> None:
-            step_peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+            step_peaks.append(tf.config.experimental.get_memory_info(device)["peak"])
 
+    device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
     x, y = (np.concatenate([a] * 4) for a in data())
     par.build(model_fn, optimizer="adam", loss="mse")
-    state = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    state = tf.config.experimental.get_memory_info(device)["current"]
     par.fit(x, y, batch_size=128, epochs=1, verbose=0)
-    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    peak = tf.config.experimental.get_memory_info(device)["peak"]
     par.fit(x, y, batch_size=128, epochs=1, verbose=0, callbacks=[StepPeak()])
     (by_device,) = par.memory_by_device().values()
     figures = {"state": state, "peak": peak, "step_peak": statistics.median(step_peaks)}
@@ -105,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.worker_run == "True")
         return 0
 
-    from paraml import Parallel, simulate_devices
+    from paraml import Parallel, ensure_devices
 
-    simulate_devices(4)
+    ensure_devices(4)  # 4 GPUs when the machine has them, else 4 logical CPUs
     from paraml.benchmark import environment, format_table, interleave, paired, write_json
     from paraml.sizes import format_bytes
 
