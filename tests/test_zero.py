@@ -44,24 +44,28 @@ def train(devices, shard, optimizer, epochs=3, **fit):
         (4, "adam", 3),
         (2, keras.optimizers.AdamW(learning_rate=0.01, weight_decay=0.05), 2),
         (2, keras.optimizers.SGD(learning_rate=0.05, momentum=0.9, nesterov=True), 2),
+        (2, keras.optimizers.Adam(use_ema=True), 1),
     ],
-    ids=["adam-2", "adam-4", "adamw-2", "sgd-momentum-2"],
+    ids=["adam-2", "adam-4", "adamw-2", "sgd-momentum-2", "adam-ema-2"],
 )
 def test_sharded_training_equals_mirrored(devices, optimizer, epochs):
     (plain, plain_history), (sharded, sharded_history) = (train(devices, s, optimizer, epochs) for s in (False, True))
     np.testing.assert_allclose(sharded_history.history["loss"], plain_history.history["loss"], rtol=1e-5)
     for got, want in zip(sharded.model.get_weights(), plain.model.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    slots = [v for v in sharded.model.optimizer.variables if len(v.shape) > 0]
-    assert all(not hasattr(v.value, "values") for v in slots)  # one copy each, not mirrored
+    for got, want in zip(sharded.model.optimizer.variables, plain.model.optimizer.variables, strict=True):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6, err_msg=got.path)  # slots too
+    slots = [v for v in sharded.model.optimizer.variables if len(v.shape) > 0 and "average" not in v.path]
+    assert all(not hasattr(v.value, "values") for v in slots)  # one copy each, not mirrored (EMA's averages are)
 
     by_device = sharded.memory_by_device()
     full = plain.memory_by_device()
     assert len(by_device) == devices
     params = {b["parameters"] for b in by_device.values()}
     assert params == {b["parameters"] for b in full.values()}  # parameters stay replicated
-    step_and_rate = [v for v in plain.model.optimizer.variables if len(v.shape) == 0]  # replicated scalars
-    scalars = next(iter(variable_bytes_by_device(step_and_rate).values()))
+    # replicated on every device: the step count, the learning rate, EMA's averages
+    replicated = [v for v in plain.model.optimizer.variables if len(v.shape) == 0 or "average" in v.path]
+    scalars = next(iter(variable_bytes_by_device(replicated).values()))
     one_copy = next(iter(full.values()))["optimizer"]
     shards = [b["optimizer"] - scalars for b in by_device.values()]
     assert sum(shards) == one_copy - scalars  # the shards add up to one full copy

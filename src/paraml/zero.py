@@ -90,8 +90,8 @@ def _all_gather(
     (global index) holds; ``read(r, key)`` reads one of this worker's.
 
     One all-gather per round: round k gathers the k-th largest tensor of each replica, flattened and padded to the
-    round's largest. So a round holds at most replicas x one tensor beyond the variables (one concatenated gather of
-    everything held about as much again as the whole state: measured, it ate most of what sharding saves).
+    round's largest, so a round holds at most replicas x one tensor beyond the variables (one gather of everything
+    would hold the whole state again).
     """
     import tensorflow as tf
 
@@ -152,7 +152,9 @@ def sharded_optimizer(
 
     def add_variable_from_reference(self: Any, reference_variable: Any, *args: Any, **kwargs: Any) -> Any:
         owner = owner_of.get(id(getattr(reference_variable, "value", reference_variable)))
-        if owner is None:  # not a sharded variable: as Keras makes it
+        # EMA's averages (`use_ema=True`, named "average") are updated by every replica outside the per-variable
+        # update: one copy on its owner would be updated once per replica. They stay as Keras makes them.
+        if owner is None or kwargs.get("name", args[0] if args else None) == "average":
             return base.add_variable_from_reference(self, reference_variable, *args, **kwargs)
         here = first <= owner < first + local
         with tf.variable_creator_scope(_plain_variable_on(devices[owner - first if here else 0])):

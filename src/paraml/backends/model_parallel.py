@@ -27,6 +27,12 @@ How it works, and why:
   micro-batch i-1 (the GPipe schedule, without a hand-written scheduler). The gradient of the summed micro-batch
   losses is the accumulated gradient; one optimizer update per batch. When a batch does not divide by M, the first
   ``batch % M`` micro-batches get one sample more.
+- **Copies of the pipeline.** The backend is a ``tf.distribute`` strategy with one replica per copy of the pipeline:
+  ``OneDeviceStrategy`` for one, ``MirroredStrategy`` over the copies' first devices for ``data_parallel`` > 1,
+  ``MultiWorkerMirroredStrategy`` with one replica per worker in a cluster. A variable creator entered before the
+  strategy's scope moves copy r of each variable onto pipeline r's device of the variable's stage, and each unit
+  runs on its stage's device of the pipeline of the replica being traced. So distributing the batches, the gradient
+  all-reduce, the optimizer update and the checkpoints are the data-parallel backends' own.
 """
 
 from __future__ import annotations
@@ -71,9 +77,11 @@ class ModelParallelBackend(StrategyBackend):
     activations; ``"even"``: the same number of units per stage; a list of lists of unit names; a list of stage
     start indices), ``micro_batches`` (default 1), ``batch_size`` (the batch the activations are estimated for when
     planning, default 32: the training batch is not known at build), ``sample`` (a batch of inputs, any number of
-    rows: the sequence length or image size the activations are measured at, when the model leaves them unknown)
-    and ``device_memory`` (``"16GiB"``, bytes, or None: what TensorFlow tells; a unit or a stage larger than that is
-    refused at build).
+    rows: the sequence length or image size the activations are measured at, when the model leaves them unknown),
+    ``device_memory`` (``"16GiB"``, bytes, or None: what TensorFlow tells; a unit or a stage larger than that is
+    refused at build) and ``data_parallel`` (default 1: R copies of the pipeline, each on ``devices / R`` devices and
+    its slice of the global batch, their gradients all-reduced). In a cluster of several workers (``TF_CONFIG`` or a
+    scheduler's variables) each worker runs one pipeline over its devices and the workers are its copies.
 
     >>> import keras
     >>> from paraml import Parallel
@@ -450,7 +458,7 @@ class ModelParallelBackend(StrategyBackend):
         header += f", schedule={self.schedule.kind!r}" if self.micro_batches > 1 else ""
         t = self.topology
         if t.num_replicas > 1:
-            header += f"; {t.layout}: pipeline copies averaging their gradients"
+            header += f"; {t.layout}: copies of the pipeline, their gradients all-reduced"
             if self.in_cluster:
                 header += f" (one per worker; this is worker {t.worker_index} of {t.num_workers})"
         lines = [header]
