@@ -1,6 +1,9 @@
 """Every test process splits the CPU into 4 logical devices before TensorFlow initialises its devices."""
 
 import os
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -37,3 +40,20 @@ def data_1001() -> tuple[np.ndarray, np.ndarray]:
     x = rng.normal(size=(1001, 8)).astype("float32")
     y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0.5).astype("int32")
     return x, y
+
+
+@contextmanager
+def fails_after(seconds: int, what: str = "the block") -> Iterator[None]:
+    """Fail instead of hanging: ``TimeoutError`` in the main thread if ``what`` runs longer than ``seconds`` (a wait
+    that ignores its own timeout, a launch that never ends)."""
+
+    def on_alarm(signum: int, frame: object) -> None:
+        raise TimeoutError(f"{what} did not finish within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from conftest import fails_after
 
 from paraml.launch import (
     PortUnavailableError,
@@ -68,10 +69,6 @@ publish(f"pid{INDEX}", str(os.getpid()))
 """
 
 
-class _TestTimeout(Exception):
-    pass
-
-
 _F = TypeVar("_F", bound=Callable[..., object])
 
 
@@ -88,18 +85,8 @@ def _time_limit(seconds: int) -> Callable[[_F], _F]:
 @pytest.fixture(autouse=True)
 def _sixty_second_limit(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fail (instead of hanging) if a test runs longer than 60 s (or its @_time_limit)."""
-    limit = getattr(request.function, "time_limit", 60)
-
-    def on_alarm(signum: int, frame: object) -> None:
-        raise _TestTimeout(f"test did not finish within {limit} s")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(limit)
-    try:
+    with fails_after(getattr(request.function, "time_limit", 60), "the test"):
         yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _script(tmp_path: Path, body: str) -> Path:

@@ -10,17 +10,15 @@ from __future__ import annotations
 import ast
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from conftest import fails_after
 
 from paraml.cluster import ClusterConfigError, make_tf_config
 from paraml.launch import find_free_ports
@@ -311,24 +309,8 @@ def test_paraml_cluster_prints_the_scheduler_variables_workers_and_index():
 # ----------------------------------------------------------------------------- rendezvous
 
 
-@contextmanager
-def _fails_after(seconds: int) -> Iterator[None]:
-    """Fail, instead of hanging, if the block is still running after ``seconds`` (a wait that ignores its timeout)."""
-
-    def on_alarm(signum: int, frame: object) -> None:
-        raise AssertionError(f"still waiting after {seconds} s: the timeout was not honoured")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def test_a_master_that_never_answers_is_an_error_within_the_timeout():
-    with _fails_after(3):
+    with fails_after(3):
         with pytest.raises(ClusterConfigError, match=r"could not reach the master .* \(PET_MASTER_ADDR\) within 0.5 s"):
             exchange_addresses(_master(), 1, 2, [1], timeout=0.5, variables="PET_MASTER_ADDR")
 
@@ -336,12 +318,12 @@ def test_a_master_that_never_answers_is_an_error_within_the_timeout():
 def test_a_master_that_accepts_but_never_replies_is_an_error_within_the_timeout():
     with socket.create_server(("127.0.0.1", 0)) as silent:
         master = f"127.0.0.1:{silent.getsockname()[1]}"
-        with _fails_after(3), pytest.raises(ClusterConfigError, match="but it never answered within 0.5 s"):
+        with fails_after(3), pytest.raises(ClusterConfigError, match="but it never answered within 0.5 s"):
             exchange_addresses(master, 1, 2, [1], timeout=0.5)
 
 
 def test_ranks_that_never_join_are_named_by_the_master_within_the_timeout():
-    with _fails_after(3), pytest.raises(ClusterConfigError, match=r"rank\(s\) 1, 2 of 3 never joined"):
+    with fails_after(3), pytest.raises(ClusterConfigError, match=r"rank\(s\) 1, 2 of 3 never joined"):
         exchange_addresses(_master(), 0, 3, [1], timeout=0.5)
 
 
@@ -372,7 +354,7 @@ def test_an_open_rendezvous_stops_every_rank_after_one_fails():
     ranks = _in_threads([lambda r=r: Rendezvous.join(master, r, 3, [r], timeout=5, keep_open=True) for r in range(3)])
     try:
         ranks[2].report(7)
-        with _fails_after(5):  # the others hear of it
+        with fails_after(5):  # the others hear of it
             while not (ranks[0].stop_requested and ranks[1].stop_requested):
                 time.sleep(0.02)
         ranks[1].report(143)
