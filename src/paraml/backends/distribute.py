@@ -28,8 +28,8 @@ __all__ = [
     "MultiWorkerBackend",
     "SingleBackend",
     "StrategyBackend",
+    "mirrored_strategy",
     "multi_worker_strategy",
-    "new_collective_key_range",
     "workers",
 ]
 
@@ -122,16 +122,21 @@ class MirroredBackend(StrategyBackend):
     option_names = ("shard_optimizer",)
 
     def make_strategy(self, devices: DeviceSpec) -> tf.distribute.Strategy:
-        new_collective_key_range(tf.distribute.MirroredStrategy)
-        strategy = tf.distribute.MirroredStrategy(list(resolve_devices(devices)))
-        new_collective_key_range(tf.distribute.MirroredStrategy)  # and keep later strategies off this one's keys
-        return strategy
+        return mirrored_strategy(resolve_devices(devices))
 
 
 _KEY_RANGE = 100_000
 
 
-def new_collective_key_range(strategy_class: type) -> None:
+def mirrored_strategy(devices: Sequence[str]) -> tf.distribute.MirroredStrategy:
+    """``MirroredStrategy`` over ``devices``, on collective keys no other strategy of this process uses."""
+    _new_collective_key_range(tf.distribute.MirroredStrategy)
+    strategy = tf.distribute.MirroredStrategy(list(devices))
+    _new_collective_key_range(tf.distribute.MirroredStrategy)  # and keep later strategies off this one's keys
+    return strategy
+
+
+def _new_collective_key_range(strategy_class: type) -> None:
     """Give the next strategy of ``strategy_class`` collective keys no earlier instance used.
 
     Every MirroredStrategy numbers its collective groups from the same start, so a second one over a different set

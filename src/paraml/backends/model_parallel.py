@@ -57,7 +57,7 @@ from ..schedules import SCHEDULES, Schedule
 from ..sizes import format_bytes, parse_size
 from ..units import HostModel, build_on_host, model_units, observation_notes, unit_costs
 from .base import Capabilities, DeviceSpec, Layout, Objective, Topology
-from .distribute import StrategyBackend, multi_worker_strategy, new_collective_key_range, workers
+from .distribute import StrategyBackend, mirrored_strategy, multi_worker_strategy, workers
 from .registry import register
 
 __all__ = ["ModelParallelBackend"]
@@ -173,10 +173,7 @@ class ModelParallelBackend(StrategyBackend):
         self.grid = tuple(resolved[r * stages : (r + 1) * stages] for r in range(self.data_parallel))
         if self.data_parallel == 1:
             return tf.distribute.OneDeviceStrategy(resolved[0])
-        new_collective_key_range(tf.distribute.MirroredStrategy)
-        strategy = tf.distribute.MirroredStrategy([pipeline[0] for pipeline in self.grid])
-        new_collective_key_range(tf.distribute.MirroredStrategy)
-        return strategy
+        return mirrored_strategy([pipeline[0] for pipeline in self.grid])
 
     def make_topology(self) -> Topology:
         """This worker's devices (every pipeline's); one data replica per pipeline, over all workers."""
