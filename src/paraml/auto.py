@@ -10,7 +10,8 @@ The rule, in order:
    ``mirrored`` with the first that fits (``shard_optimizer=True``, ``remat=True``);
 4. more than one device (the model does not fit on one) -> ``model_parallel`` with a balanced partition, over the
    fewest stages whose largest fits a device, the other devices running copies of that pipeline (``data_parallel``,
-   :func:`pipeline_copies`);
+   :func:`pipeline_copies`); when one unit alone does not fit a device, its layers split over the fewest devices
+   that hold it (``tensor_parallel``, :func:`tensor_shards`);
 5. otherwise -> ``single`` (with ``remat=True`` when one device's known memory needs it).
 
 Device memory comes from TensorFlow where it can tell (GPUs), else from the ``device_memory`` option
@@ -36,7 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .backends.base import Backend, DeviceSpec
     from .units import HostModel
 
-__all__ = ["AUTO_OPTIONS", "SAVINGS", "AutoChoice", "AutoDecision", "decide", "pipeline_copies"]
+__all__ = ["AUTO_OPTIONS", "SAVINGS", "AutoChoice", "AutoDecision", "decide", "pipeline_copies", "tensor_shards"]
 
 #: Options of ``Parallel("auto")``: its own, and those it passes to ``model_parallel`` if it picks it.
 AUTO_OPTIONS = ("device_memory", "batch_size", "sample", "partition", "micro_batches")
@@ -58,7 +59,7 @@ class AutoDecision:
     ``settings`` are the memory savings it turned on (``{"remat": True}``, ``{"shard_optimizer": True}``), with
     ``saved_estimate`` the estimate with them; ``tried`` every saving estimated, when none made the model fit.
     ``copies`` are the copies of the ``model_parallel`` pipeline (``data_parallel``), ``largest_stage`` the bytes
-    of its largest stage.
+    of its largest stage, ``tensor`` the devices each stage's split layers span (``tensor_parallel``).
     """
 
     strategy: str
@@ -71,6 +72,7 @@ class AutoDecision:
     tried: tuple[tuple[dict[str, bool], MemoryEstimate], ...] = ()
     copies: int = 1
     largest_stage: int | None = None
+    tensor: int = 1
 
     @property
     def remat(self) -> bool:
@@ -105,9 +107,14 @@ class AutoDecision:
             return f"chose 'mirrored' on {self.num_devices} devices: the model fits on one device: {need}; {have}"
         more = "".join(f", with {_settings(k)} {format_bytes(e.total)}" for k, e in self.tried)
         layout = ""
+        if self.tensor > 1:
+            layout += (
+                f"; a unit does not fit one device, so its layers are split over {self.tensor} devices "
+                f"(tensor_parallel={self.tensor})"
+            )
         if self.copies > 1 and self.largest_stage is not None:
-            stages = self.num_devices // self.copies
-            layout = (
+            stages = self.num_devices // self.copies // self.tensor
+            layout += (
                 f"; as {self.copies} copies of a {stages}-stage pipeline (data_parallel={self.copies}): the fewest "
                 f"stages whose largest fits, {format_bytes(self.largest_stage)}"
             )
@@ -194,6 +201,36 @@ def pipeline_copies(
     return 1, None
 
 
+def tensor_shards(
+    costs: Sequence[LayerCost],
+    split_bytes: Sequence[int],
+    num_devices: int,
+    device_memory: int,
+    slots_per_param: int,
+) -> tuple[int, list[LayerCost]]:
+    """The fewest devices (a divisor of ``num_devices``; 1 when every unit fits one) over which the units' split
+    layers (``split_bytes`` of each unit's parameters) must be shared for the largest unit to fit ``device_memory``,
+    and the units' costs per device with that split. The most devices when none is enough.
+
+    Example:
+        >>> from paraml.partition import LayerCost
+        >>> costs = [LayerCost("embedding", 1000, 0), LayerCost("head", 100, 0)]  # x4 with gradients and 2 slots
+        >>> shards, per_device = tensor_shards(costs, [1000, 0], 4, device_memory=2000, slots_per_param=2)
+        >>> shards, per_device[0].param_bytes
+        (2, 500)
+    """
+    from .partition import layer_cost
+
+    shards, per_device = 1, list(costs)
+    for shards in [n for n in range(1, num_devices + 1) if num_devices % n == 0]:
+        per_device = [
+            replace(c, param_bytes=c.param_bytes - b * (shards - 1) // shards) for c, b in zip(costs, split_bytes)
+        ]
+        if max(layer_cost(c, slots_per_param) for c in per_device) <= device_memory:
+            break
+    return shards, per_device
+
+
 class AutoChoice:
     """The pending choice of ``Parallel("auto", devices, **options)``: made at once for a cluster, else at build.
 
@@ -231,7 +268,9 @@ class AutoChoice:
         from .devices import device_memory
         from .memory import estimate_memory
         from .optimizers import optimizer_slots_per_param
+        from .partition import layer_cost
         from .remat import recomputing
+        from .tensor_parallel import plan_splits
         from .units import build_on_host, unit_costs
 
         devices = self.local_devices()
@@ -264,12 +303,20 @@ class AutoChoice:
         if self.decision.strategy == "model_parallel" and as_is is not None and memory and partition == "balanced":
             slots = optimizer_slots_per_param(optimizer)
             costs = unit_costs(as_is, measure["batch_size"], remat=remat)
-            copies, largest = pipeline_copies(costs, len(devices), memory, slots)
-            self.decision = replace(self.decision, copies=copies, largest_stage=largest)
+            tensor = 1
+            if max(layer_cost(c, slots) for c in costs) > memory:  # one unit alone does not fit: split its layers
+                split = plan_splits(host.model, 2, sample)
+                tensor, costs = tensor_shards(
+                    costs, [split.split_bytes(u.layer) for u in as_is.units], len(devices), memory, slots
+                )
+            copies, largest = pipeline_copies(costs, len(devices) // tensor, memory, slots)
+            self.decision = replace(self.decision, copies=copies, largest_stage=largest, tensor=tensor)
         chosen = backends.get_backend(self.decision.strategy)
         passed = {k: v for k, v in self.options.items() if k in chosen.option_names}
         if self.decision.copies > 1:
             passed["data_parallel"] = self.decision.copies
+        if self.decision.tensor > 1:
+            passed["tensor_parallel"] = self.decision.tensor
         if self.decision.shard_optimizer:
             passed["shard_optimizer"] = True
         self.backend = chosen(self.devices if len(devices) > 1 else devices, **passed)

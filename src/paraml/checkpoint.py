@@ -86,8 +86,14 @@ def _trackables(model: keras.Model, optimizer: keras.optimizers.Optimizer, state
 def _names(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> dict[str, tuple[str, tuple[int, ...]]]:
     """checkpoint key -> (the variable's path in this model, its shape), for error messages."""
     named = {f"model_{i:05d}": (v.path, tuple(v.shape)) for i, v in enumerate(model.weights)}
-    shapes = [shape for _, shape in restorable_state(optimizer)]  # whole, even where sharded
-    named.update({f"optimizer_{i:05d}": (v.path, shapes[i]) for i, v in enumerate(optimizer.variables)})
+    state = restorable_state(optimizer)  # whole, even where sharded or split
+    paths = [v.path for v in optimizer.variables] if len(state) == len(optimizer.variables) else None
+    named.update(
+        {
+            f"optimizer_{i:05d}": (paths[i] if paths else getattr(value, "name", f"variable {i}"), shape)
+            for i, (value, shape) in enumerate(state)
+        }
+    )
     return named
 
 

@@ -20,6 +20,7 @@ import tensorflow as tf
 from .backends.base import Backend
 from .checks import did_you_mean
 from .optimizers import fresh_optimizer
+from .tensor_parallel import tag_slots, trained_variables
 from .units import nested_layers
 from .zero import sharded_optimizer
 
@@ -163,7 +164,8 @@ def _compile_keras(backend: Backend, model: keras.Model, compile_args: dict[str,
                 "Use 'mirrored', or the mixed_bfloat16 policy (no loss scaling), or build(..., "
                 "auto_scale_loss=False)"
             )
-        optimizer.build(model.trainable_variables)
+        tag_slots(optimizer)  # a split variable's parts' slots are saved joined
+        optimizer.build(trained_variables(model))
     with backend.metrics_scope():
         model.compile(**{**compile_args, "optimizer": optimizer})
     return accumulation

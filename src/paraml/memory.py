@@ -278,7 +278,7 @@ def layer_costs(
 
 def variable_bytes_by_device(variables: Sequence[Any]) -> dict[str, int]:
     """Bytes of ``variables`` on each device, read from where they live: a mirrored variable counts on every device
-    holding a copy, a variable listed twice once.
+    holding a copy, a split one (``tensor_parallel``) each part on its device, a variable listed twice once.
 
     Example:
         >>> import keras
@@ -292,9 +292,10 @@ def variable_bytes_by_device(variables: Sequence[Any]) -> dict[str, int]:
         if id(value) in seen:
             continue
         seen.add(id(value))
-        for copy in getattr(value, "values", None) or (value,):
-            device = "/device:" + copy.device.split("device:")[-1]
-            totals[device] = totals.get(device, 0) + int(copy.shape.num_elements()) * copy.dtype.size
+        for part in getattr(value, "parts", None) or (value,):  # a variable split by tensor_parallel
+            for copy in getattr(part, "values", None) or (part,):
+                device = "/device:" + copy.device.split("device:")[-1]
+                totals[device] = totals.get(device, 0) + int(copy.shape.num_elements()) * copy.dtype.size
     return dict(sorted(totals.items()))
 
 

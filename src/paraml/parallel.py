@@ -45,6 +45,8 @@ _NOT_HERE = {
     "schedule": " (a pipeline schedule: only 'model_parallel' pipelines)",
     "data_parallel": " (copies of a pipeline: only 'model_parallel' pipelines; the data-parallel strategies make "
     "every device a copy already)",
+    "tensor_parallel": " (layers split over devices: only 'model_parallel', e.g. Parallel('model_parallel', "
+    "devices=2, tensor_parallel=2))",
 }
 
 Verbose = int | str | bool

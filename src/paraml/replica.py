@@ -29,6 +29,7 @@ from .backends.base import Backend, Objective
 from .compiling import STEP_METHODS, extra_optimizers, overrides
 from .data import GlobalBatches, zeros_like_spec
 from .masks import keras_mask
+from .tensor_parallel import trained_variables
 
 __all__ = ["ReplicaStep"]
 
@@ -93,7 +94,7 @@ class ReplicaStep:
                         aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,  # the same on every replica
                         name="accumulated_" + v.name,
                     )
-                    for v in model.trainable_variables
+                    for v in trained_variables(model)
                 ]
         self.jit_compile = jit_compile
         self._xla_gradients = tf.function(self._replica_gradients, jit_compile=True)
@@ -222,7 +223,7 @@ class ReplicaStep:
         with tf.GradientTape() as tape:
             loss = self._combine(self._parts(x, y, w, weighted), rows, global_rows)
             loss = self.optimizer.scale_loss(loss)
-        return _gradients_or_zeros(tape, loss, self.model.trainable_variables)
+        return _gradients_or_zeros(tape, loss, trained_variables(self.model))
 
     def _gradients(self, x: Any, y: Any, w: Any, rows: tf.Tensor, global_rows: tf.Tensor, weighted: bool) -> list[Any]:
         """This replica's gradients; zeros (of the same kinds) for a replica the last batch left empty."""
@@ -230,7 +231,7 @@ class ReplicaStep:
         skip_empty = self.backend.capabilities.skips_empty_replicas  # a sync point in the forward pass forbids cond
         if self._masked:
             return self._masked_gradients(x, y, w, rows, global_rows, weighted, skip_empty)
-        variables = self.model.trainable_variables
+        variables = trained_variables(self.model)
         kinds = list[Any]()  # no annotation: autograph cannot convert an annotated name used in a closure
 
         def compute() -> list[Any]:
@@ -270,7 +271,7 @@ class ReplicaStep:
             else:
                 summed = parts(x, y, w, weighted)
             loss = self.optimizer.scale_loss(self._combine(summed, rows, global_rows))
-        return _gradients_or_zeros(tape, loss, self.model.trainable_variables)
+        return _gradients_or_zeros(tape, loss, trained_variables(self.model))
 
     def _train(self, x: Any, y: Any, w: Any, *, update: bool, weighted: bool) -> None:
         """One training step on this replica. With gradient accumulation, ``update`` says whether this step applies
@@ -279,7 +280,7 @@ class ReplicaStep:
         rows = _rows(x)
         global_rows = self.backend.all_reduce_sum(tf.cast(rows, tf.float32))
         grads = self._gradients(x, y, w, rows, global_rows, weighted)
-        variables = self.model.trainable_variables
+        variables = trained_variables(self.model)
         if self.accumulators is None:
             self.optimizer.apply_gradients(zip(grads, variables))
             return

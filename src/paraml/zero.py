@@ -216,10 +216,12 @@ def whole_state(optimizer: keras.optimizers.Optimizer) -> list[Any]:
     A slot held by another worker (``multi_worker`` with ``shard_optimizer=True``) is gathered from it into a
     temporary variable on the host: every worker must call this together (it is a collective).
     """
+    from .tensor_parallel import saved_state
+
     variables, slots = optimizer.variables, _slots(optimizer)
-    values = [v.value for v in variables]
     if all(s is None for s in slots):
-        return values
+        return saved_state(variables)  # a split variable's slots joined (tensor_parallel)
+    values = [v.value for v in variables]
     strategy = optimizer._distribution_strategy
     replicas = int(strategy.num_replicas_in_sync)
     if replicas == len(strategy.extended.worker_devices):
@@ -241,7 +243,12 @@ def whole_state(optimizer: keras.optimizers.Optimizer) -> list[Any]:
 def restorable_state(optimizer: keras.optimizers.Optimizer) -> list[tuple[Any | None, tuple[int, ...]]]:
     """Each of ``optimizer.variables`` as a restore fills it, by position: the variable (None where the slot is
     another worker's) and its whole shape."""
+    from .tensor_parallel import saved_state
+
+    slots = _slots(optimizer)
+    if all(s is None for s in slots):
+        return [(value, tuple(value.shape)) for value in saved_state(optimizer.variables)]
     return [
         (v.value, tuple(v.shape)) if s is None else (v.value if s.here else None, s.shape)
-        for v, s in zip(optimizer.variables, _slots(optimizer))
+        for v, s in zip(optimizer.variables, slots)
     ]

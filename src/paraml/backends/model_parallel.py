@@ -55,7 +55,8 @@ from ..remat import recomputing
 from ..schedulers import setup_tf_config
 from ..schedules import SCHEDULES, Schedule
 from ..sizes import format_bytes, parse_size
-from ..units import HostModel, build_on_host, model_units, observation_notes, unit_costs
+from ..tensor_parallel import SplitLayers, TensorPlan, WholeVariable, part_sizes, plan_splits, trained_variables
+from ..units import HostModel, build_on_host, model_units, nested_layers, observation_notes, unit_costs
 from .base import Capabilities, DeviceSpec, Layout, Objective, Topology
 from .distribute import StrategyBackend, mirrored_strategy, multi_worker_strategy, workers
 from .registry import register
@@ -92,7 +93,16 @@ class ModelParallelBackend(StrategyBackend):
     [('dense',), ('dense_1',)]
     """
 
-    option_names = ("partition", "micro_batches", "schedule", "device_memory", "batch_size", "sample", "data_parallel")
+    option_names = (
+        "partition",
+        "micro_batches",
+        "schedule",
+        "device_memory",
+        "batch_size",
+        "sample",
+        "data_parallel",
+        "tensor_parallel",
+    )
     capabilities = Capabilities(
         builds_on_first_batch=False,  # variables are placed at build, so the model must have them then
         xla_problem="under model_parallel one step spans several devices, and an XLA computation runs on one",
@@ -111,10 +121,13 @@ class ModelParallelBackend(StrategyBackend):
         schedule = check_choice("schedule", options.get("schedule", "gpipe"), SCHEDULES)
         memory = options.get("device_memory")
         self.data_parallel: int = check_int("data_parallel", options.get("data_parallel", 1))
+        self.tensor_parallel: int = check_int("tensor_parallel", options.get("tensor_parallel", 1))
         cluster = setup_tf_config()  # TF_CONFIG, else set from a scheduler's variables (paraml.schedulers)
         #: Whether this process is one worker of a cluster: its pipeline is data parallel with the other workers'.
         self.in_cluster: bool = cluster is not None and cluster.num_workers > 1
-        #: ``grid[r][s]``: the device of stage ``s`` of this worker's pipeline ``r`` (set by ``make_strategy``).
+        #: ``groups[r][s]``: the ``tensor_parallel`` devices of stage ``s`` of this worker's pipeline ``r``, and
+        #: ``grid[r][s]`` the first of them, where the stage's whole layers live (set by ``make_strategy``).
+        self.groups: tuple[tuple[tuple[str, ...], ...], ...] = ()
         self.grid: tuple[tuple[str, ...], ...] = ()
         self._components: Iterator[str] | None = None  # the devices of the variable being placed, one per pipeline
         super().__init__(devices, **options)
@@ -142,7 +155,16 @@ class ModelParallelBackend(StrategyBackend):
                 own_train_step_problem=f"micro_batches={self.micro_batches} pipelines parts of each batch, while a "
                 "model's own train_step takes the whole batch and applies its update itself; use micro_batches=1",
             )
+        if self.tensor_parallel > 1:
+            self.capabilities = replace(
+                self.capabilities,
+                own_train_step_problem=f"tensor_parallel={self.tensor_parallel} trains the parts of each split "
+                "weight, while a model's own train_step takes gradients with respect to model.trainable_variables, "
+                "which read them whole; use tensor_parallel=1",
+            )
         self.plan: PartitionPlan | None = None
+        #: Which layers are split over each stage's devices, and how (``tensor_parallel`` > 1, after build).
+        self.tensor_plan: TensorPlan | None = None
         #: The final model's units and the device each runs on, in pipeline order.
         self.placement: list[tuple[str, keras.layers.Layer, str]] = []
         self.notes: list[str] = []
@@ -159,26 +181,35 @@ class ModelParallelBackend(StrategyBackend):
                     "data_parallel=1 (the default)"
                 )
             strategy = multi_worker_strategy({}, "model_parallel", one_replica=True)  # before the devices are listed
-            self.grid = (resolve_devices(devices),)
+            self._arrange(resolve_devices(devices))
             return strategy
-        resolved = resolve_devices(devices)
-        if len(resolved) % self.data_parallel:
-            raise ValueError(
-                f"devices={len(resolved)} is not a multiple of data_parallel={self.data_parallel}: each of the "
-                f"{self.data_parallel} copies of the pipeline takes the same number of devices (devices = stages x "
-                f"data_parallel); use {len(resolved) - len(resolved) % self.data_parallel or self.data_parallel} "
-                "devices or another data_parallel"
-            )
-        stages = len(resolved) // self.data_parallel
-        self.grid = tuple(resolved[r * stages : (r + 1) * stages] for r in range(self.data_parallel))
+        self._arrange(resolve_devices(devices))
+        resolved = [d for pipeline in self.grid for d in pipeline]
         if self.data_parallel == 1:
             return tf.distribute.OneDeviceStrategy(resolved[0])
         return mirrored_strategy([pipeline[0] for pipeline in self.grid])
 
+    def _arrange(self, devices: list[str]) -> None:
+        """Share ``devices`` (this worker's) as ``data_parallel`` pipelines of stages of ``tensor_parallel`` devices."""
+        per_stage, copies = self.tensor_parallel, self.data_parallel
+        if len(devices) % (per_stage * copies):
+            product = per_stage * copies
+            raise ValueError(
+                f"devices={len(devices)} is not a multiple of data_parallel x tensor_parallel = {copies} x "
+                f"{per_stage} = {product}: devices = data_parallel x stages x tensor_parallel; use "
+                f"{len(devices) - len(devices) % product or product} devices, or other data_parallel/tensor_parallel"
+            )
+        stages = len(devices) // (per_stage * copies)
+        groups = [tuple(devices[i : i + per_stage]) for i in range(0, len(devices), per_stage)]
+        self.groups = tuple(tuple(groups[r * stages : (r + 1) * stages]) for r in range(copies))
+        self.grid = tuple(tuple(group[0] for group in pipeline) for pipeline in self.groups)
+
     def make_topology(self) -> Topology:
         """This worker's devices (every pipeline's); one data replica per pipeline, over all workers."""
-        devices = tuple(d for pipeline in self.grid for d in pipeline)
-        layout = Layout(data=int(self.strategy.num_replicas_in_sync), stages=len(self.grid[0]))
+        devices = tuple(d for pipeline in self.groups for group in pipeline for d in group)
+        layout = Layout(
+            data=int(self.strategy.num_replicas_in_sync), stages=len(self.grid[0]), tensor=self.tensor_parallel
+        )
         topology = Topology(devices, layout)
         return replace(topology, **workers(self.strategy)) if self.in_cluster else topology
 
@@ -208,9 +239,13 @@ class ModelParallelBackend(StrategyBackend):
 
     def stage_device(self, stage: int) -> str:
         """The device of ``stage`` for the replica being traced (its pipeline's), or of the first pipeline."""
+        return self.stage_group(stage)[0]
+
+    def stage_group(self, stage: int) -> tuple[str, ...]:
+        """The ``tensor_parallel`` devices of ``stage`` for the replica being traced, or of the first pipeline."""
         context = tf.distribute.get_replica_context()
         replica = tf.get_static_value(context.replica_id_in_sync_group) if context is not None else 0
-        return self.grid[int(replica or 0) % len(self.grid)][stage]
+        return self.groups[int(replica or 0) % len(self.groups)][stage]
 
     # -- placement ----------------------------------------------------------------------------------------------------
     def build_model(
@@ -230,6 +265,15 @@ class ModelParallelBackend(StrategyBackend):
         self.notes = observation_notes(observation)
         slots = optimizer_slots_per_param(optimizer) if optimizer is not None else 0
         costs = unit_costs(observation, self.batch_size, remat=remat)
+        tensor_plan = None
+        if self.tensor_parallel > 1:
+            tensor_plan = plan_splits(probe, self.tensor_parallel, self.sample)
+            # A device of a stage holds 1/T of each split variable (its activations are counted whole).
+            share = {
+                u.name: tensor_plan.split_bytes(u.layer) * (self.tensor_parallel - 1) // self.tensor_parallel
+                for u in observation.units
+            }
+            costs = [replace(c, param_bytes=c.param_bytes - share.get(c.name, 0)) for c in costs]
         devices = self.stage_devices
         self.plan = make_plan(costs, self.partition, len(devices), slots)
         self._check_fits(costs, slots)
@@ -238,6 +282,11 @@ class ModelParallelBackend(StrategyBackend):
         owner = {id(v.value): u.name for u in observation.units for v in u.layer.variables}
         placed_on = [stage_device.get(owner.get(id(v)), devices[0]) for v in created]
         stage_of = {device: index for index, device in enumerate(devices)}
+        split_axis = (
+            {}
+            if tensor_plan is None
+            else {id(v.value): tensor_plan.axes[id(v)] for v in probe.weights if id(v) in tensor_plan.axes}
+        )
         count = iter(range(len(placed_on) + 1))
         different = (
             "model_fn built a different model the second time ({}): it must build the same model on every call "
@@ -249,6 +298,9 @@ class ModelParallelBackend(StrategyBackend):
             if index >= len(placed_on):
                 raise ValueError(different.format(f"more than the {len(placed_on)} variables of the first"))
             stage = stage_of[placed_on[index]]
+            axis = split_axis.get(id(created[index]))
+            if axis is not None:
+                return self._split_variable(next_creator, kwargs, stage, tuple(created[index].shape), axis)
             self._components = iter([pipeline[stage] for pipeline in self.grid])  # one copy per pipeline
             try:
                 return next_creator(**kwargs)
@@ -282,11 +334,40 @@ class ModelParallelBackend(StrategyBackend):
         )
         device_of = {renamed[name]: device for name, device in stage_device.items()}
         self.placement = [(name, by_name[name], device_of[name]) for name in order]
-        self._variable_stage = {id(v.value): stage_of[d] for _, layer, d in self.placement for v in layer.variables}
+        if tensor_plan is not None:
+            self.tensor_plan = tensor_plan.moved_to(probe, model)
+            stage_of_layer: dict[int, int] = {}
+            for _, layer, device in self.placement:
+                for sub in nested_layers(layer):
+                    stage_of_layer.setdefault(id(sub), stage_of[device])
+            SplitLayers(self.tensor_plan, lambda layer: self.stage_group(stage_of_layer[id(layer)])).attach(model)
+        self._variable_stage = {  # the parts of split variables by their own
+            id(v.value): stage_of[d] for _, layer, d in self.placement for v in trained_variables(layer)
+        }
         for _, layer, device in self.placement:
             stage = stage_of[device]
             _stage_call(layer, lambda stage=stage: self.stage_device(stage), lambda stage=stage: self._gate(stage))
         return model
+
+    def _split_variable(
+        self, next_creator: Callable[..., Any], kwargs: dict[str, Any], stage: int, shape: tuple[int, ...], axis: int
+    ) -> Any:
+        """A variable of ``shape`` split on ``axis`` over ``stage``'s devices: its parts (each made by the creators
+        below, one copy per pipeline), behind a :class:`paraml.tensor_parallel.WholeVariable`. The parts start at
+        zero: the first build's values are assigned next."""
+        parts = []
+        name = kwargs.get("name") or "variable"
+        for k, size in enumerate(part_sizes(shape[axis], self.tensor_parallel)):
+            part_shape = list(shape)
+            part_shape[axis] = size
+            self._components = iter([pipeline[stage][k] for pipeline in self.groups])
+            try:
+                dtype = kwargs.get("dtype") or "float32"
+                initial = {"initial_value": tf.zeros(part_shape, dtype), "name": f"{name}_part{k}", "shape": None}
+                parts.append(next_creator(**{**kwargs, **initial}))
+            finally:
+                self._components = None
+        return WholeVariable(parts, axis, name)
 
     def _gate(self, stage: int) -> list[Any]:
         """What ``stage``'s forward pass of the micro-batch being traced waits for (1F1B), or nothing."""
@@ -311,11 +392,18 @@ class ModelParallelBackend(StrategyBackend):
             f"unit {name!r} needs {format_bytes(size)} (parameters, gradients, optimizer slots and activations "
             f"for a batch of {self.batch_size})"
         )
+        t = self.tensor_parallel
         if memory is not None and size > memory:
+            if t > 1:
+                raise ValueError(
+                    f"{what} on each of its stage's {t} devices with its Dense, attention and Embedding layers "
+                    f"split over them (tensor_parallel={t}), more than a device's {format_bytes(memory)}: use a larger "
+                    "tensor_parallel or devices with more memory"
+                )
             raise ValueError(
                 f"{what}, more than a device's {format_bytes(memory)}: model_parallel places each unit (a layer) on "
-                "one device; splitting one layer across devices is not supported. Use devices with more memory or "
-                "a smaller layer"
+                "one stage's devices. Split its Dense, attention and Embedding layers over several devices with "
+                "tensor_parallel=2 (or more), or use devices with more memory"
             )
         if memory is not None and self.plan.largest_stage_bytes > memory:
             raise ValueError(
@@ -325,7 +413,7 @@ class ModelParallelBackend(StrategyBackend):
         if len(devices) > 1 and size > share * UNBALANCED_SHARE:
             self.notes.append(
                 f"{what}, more than a device's share {format_bytes(round(share))}: the stages cannot balance better "
-                "(splitting one layer across devices is not supported)"
+                + ("(tensor_parallel=2 would split its layers over devices)" if t == 1 else "")
             )
 
     # -- computation ---------------------------------------------------------------------------------------------------
@@ -406,7 +494,7 @@ class ModelParallelBackend(StrategyBackend):
         stage's forward pass of micro-batch ``i`` waits (a control dependency) for the backward pass the schedule
         names. The caller's tape sees one op whose gradient is the sum of the micro-batches' gradients, scaled by what
         flows back into the loss (the replica's division by the global batch, a loss scale)."""
-        variables = model.trainable_variables
+        variables = trained_variables(model)
         y_preds: list[Any] = []
         masks: list[list[Any]] = []
 
@@ -451,7 +539,7 @@ class ModelParallelBackend(StrategyBackend):
 
     def describe(self) -> str:
         devices = self.stage_devices
-        header = f"model_parallel on {len(devices)} device(s), micro_batches={self.micro_batches}"
+        header = f"model_parallel on {len(self.topology.devices)} device(s), micro_batches={self.micro_batches}"
         header += f", schedule={self.schedule.kind!r}" if self.micro_batches > 1 else ""
         t = self.topology
         if t.num_replicas > 1:
@@ -459,12 +547,25 @@ class ModelParallelBackend(StrategyBackend):
             if self.in_cluster:
                 header += f" (one per worker; this is worker {t.worker_index} of {t.num_workers})"
         lines = [header]
-        if len(self.grid) > 1:
+        if self.tensor_parallel > 1:
+            lines += [
+                f"pipeline {r} stage {i}: {', '.join(group)}"
+                for r, pipeline in enumerate(self.groups)
+                for i, group in enumerate(pipeline)
+            ]
+        elif len(self.grid) > 1:
             lines += [f"pipeline {r}: {', '.join(pipeline)}" for r, pipeline in enumerate(self.grid)]
         if self.plan is None:
             return "\n".join(lines)
         lines.append(self.plan.describe(devices))
+        if self.tensor_parallel > 1:
+            lines.append(
+                f"(per device of a stage: a 1/{self.tensor_parallel} share of its split layers, its whole layers; "
+                "activations counted whole)"
+            )
         lines += [f"stage {s.index} units: {', '.join(s.layers)}" for s in self.plan.stages]
+        if self.tensor_plan is not None:
+            lines.append(self.tensor_plan.describe())
         lines += [f"note: {note}" for note in self.notes]
         if self.micro_batches > 1:
             lines.append(str(self.schedule))

@@ -1,0 +1,690 @@
+"""Tensor parallelism: one layer's weights split over ``tensor_parallel=T`` devices (Megatron-LM's splits).
+
+``model_parallel`` places whole layers on stages; here the large layers of each stage are split over the stage's T
+devices, each device holding and computing its slice:
+
+- **columns** (a ``Dense`` whose output feeds another ``Dense``, or one that feeds nothing splittable): the kernel's
+  output columns and the bias are split; each device computes its slice of the output (activation included).
+- **rows** (the ``Dense`` a columns-split one feeds): the kernel's input rows are split; each device multiplies the
+  slice of the input its partner computed, and the partial products are added once (one reduction), then the bias
+  and the activation. A column-then-row pair (a transformer's feed-forward block) exchanges nothing in between.
+- **heads** (``keras.layers.MultiHeadAttention`` and subclasses, as keras_hub's attention): query, key, value (and
+  gate) projections split by heads, the output projection by heads' rows; each device runs the attention of its
+  heads, and the partial outputs are added once, then the output bias.
+- **vocab** (``Embedding``, keras_hub's ``ReversibleEmbedding``): the table's rows split; each device looks up the
+  ids in its range (zeros elsewhere) and the lookups are added once. A reversible embedding's reverse call (the tied
+  LM head) gives each device its slice of the logits.
+
+Layers with weights that fit none of these (normalisations, convolutions, position embeddings) stay whole on the
+stage's first device. A split layer's slices of the output are joined (concatenated) where a consumer needs the
+whole tensor; a rows-split layer takes its partner's slices without joining them (:class:`SplitLayers` keeps the
+slices of each joined tensor for that).
+
+**The model's public face stays whole.** A split variable is a Keras variable whose value is a
+:class:`WholeVariable`: a view over the parts (plain TensorFlow variables on their devices) that reads as their
+concatenation, assigns by splitting, saves as one whole tensor in TensorFlow checkpoints and converts to numpy whole.
+So ``get_weights``, ``set_weights``, ``predict``, ``model.save``/``load_model`` and paraml's checkpoints see whole
+tensors, and a checkpoint moves between any backend and any T. The training step differentiates with respect to the
+parts (:func:`trained_variables`), and the optimizer keeps each part's slots on the part's device; a checkpoint joins
+them (:func:`saved_state`).
+
+Importing this module is cheap: Keras and TensorFlow are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "LayerSplit",
+    "SplitLayers",
+    "TensorPlan",
+    "WholeVariable",
+    "part_sizes",
+    "plan_splits",
+    "saved_state",
+    "tag_slots",
+    "trained_variables",
+]
+
+#: The ways a layer is split, what each means in :func:`plan_splits` and ``describe()``.
+KINDS = {
+    "columns": "output columns (each device computes its slice of the output)",
+    "rows": "input rows (partial products added once)",
+    "heads": "attention heads (partial outputs added once)",
+    "vocab": "vocabulary rows (lookups added once)",
+}
+
+_PARTS = "_paraml_parts"  # on a split Keras variable: its parts, as Keras variables
+_PART = "_paraml_part"  # on a part: (the whole Keras variable, the part's index)
+_SLOT_OF = "_paraml_slot_of"  # on an optimizer slot of a part: (the whole Keras variable, the part's index, ordinal)
+
+
+def part_sizes(size: int, parts: int) -> list[int]:
+    """``size`` rows shared by ``parts`` devices, the first ``size % parts`` taking one more.
+
+    >>> part_sizes(10, 4)
+    [3, 3, 2, 2]
+    """
+    return [size // parts + (1 if k < size % parts else 0) for k in range(parts)]
+
+
+class _Whole:
+    """Marker base: set to the TensorFlow trackable class when :func:`_whole_class` first runs."""
+
+
+_WHOLE_CLASS: list[type] = []
+
+
+def _whole_class() -> type:
+    """:class:`WholeVariable`'s implementation, made (and its tensor conversion registered) on first use."""
+    if _WHOLE_CLASS:
+        return _WHOLE_CLASS[0]
+    import numpy as np
+    import tensorflow as tf
+
+    class WholeVariableImpl(tf.__internal__.tracking.Trackable, _Whole):
+        def __init__(self, parts: Sequence[Any], axis: int, name: str) -> None:
+            self.parts = list(parts)
+            self.axis = axis
+            self._name = name
+            shapes = [list(p.shape) for p in self.parts]
+            whole = shapes[0][:]
+            whole[axis] = sum(s[axis] for s in shapes)
+            self._shape = tf.TensorShape(whole)
+
+        dtype = property(lambda self: self.parts[0].dtype)
+        shape = property(lambda self: self._shape)
+        name = property(lambda self: self._name)
+        trainable = property(lambda self: self.parts[0].trainable)
+        device = property(lambda self: self.parts[0].device)
+
+        def read_value(self) -> Any:
+            return tf.concat([tf.convert_to_tensor(p) for p in self.parts], self.axis)
+
+        def numpy(self) -> Any:
+            return self.read_value().numpy()
+
+        def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+            del copy
+            return np.asarray(self.numpy(), dtype=dtype)
+
+        def assign(self, value: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
+            del use_locking, name, read_value
+            value = tf.convert_to_tensor(value, dtype=self.dtype)
+            sizes = [int(p.shape[self.axis]) for p in self.parts]
+            for part, piece in zip(self.parts, tf.split(value, sizes, axis=self.axis)):
+                part.assign(piece)
+            return self
+
+        # A TensorFlow checkpoint stores the whole tensor under the key a plain variable uses, so one written here
+        # restores into a plain variable, and the other way round.
+        def _serialize_to_tensors(self) -> dict[str, Any]:
+            return {"VARIABLE_VALUE": self.read_value()}
+
+        def _restore_from_tensors(self, restored_tensors: dict[str, Any]) -> Any:
+            return self.assign(restored_tensors["VARIABLE_VALUE"])
+
+        def __repr__(self) -> str:
+            shape = tuple(self._shape)
+            return f"<WholeVariable {self._name!r} shape={shape} in {len(self.parts)} parts on axis {self.axis}>"
+
+    def convert(value: Any, dtype: Any = None, name: Any = None, as_ref: bool = False) -> Any:
+        del name, as_ref
+        whole = value.read_value()
+        return whole if dtype is None or tf.as_dtype(dtype) == whole.dtype else tf.cast(whole, dtype)
+
+    tf.register_tensor_conversion_function(WholeVariableImpl, convert)
+    WholeVariableImpl.__name__ = WholeVariableImpl.__qualname__ = "WholeVariable"
+    _WHOLE_CLASS.append(WholeVariableImpl)
+    return WholeVariableImpl
+
+
+def WholeVariable(parts: Sequence[Any], axis: int, name: str) -> Any:  # noqa: N802 (a class made on first use)
+    """A variable made of ``parts`` (TensorFlow variables, each on its device) joined along ``axis``: reads as their
+    concatenation, ``assign`` splits, a TensorFlow checkpoint stores it whole, numpy converts it whole.
+
+    >>> import tensorflow as tf
+    >>> whole = WholeVariable([tf.Variable([[1.0], [2.0]]), tf.Variable([[3.0], [4.0]])], axis=1, name="w")
+    >>> whole.numpy().tolist(), tuple(whole.shape)
+    ([[1.0, 3.0], [2.0, 4.0]], (2, 2))
+    """
+    return _whole_class()(parts, axis, name)
+
+
+def _is_whole(value: Any) -> bool:
+    return isinstance(value, _Whole)
+
+
+# -- planning ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerSplit:
+    """How one layer is split: its path, the kind (a key of :data:`KINDS`) and its split variables' shapes."""
+
+    layer: str
+    kind: str
+    shapes: tuple[tuple[int, ...], ...]
+
+    def __str__(self) -> str:
+        shapes = ", ".join("x".join(map(str, s)) for s in self.shapes)
+        return f"{self.layer}: by {KINDS[self.kind]} [{shapes}]"
+
+
+@dataclass
+class TensorPlan:
+    """Which layers of a model are split over ``tensor`` devices, and how (:func:`plan_splits`).
+
+    Attributes:
+        tensor: Devices each split layer spans.
+        splits: The split layers, in the model's layer order.
+        axes: ``id(variable)`` of each split variable (of the model planned) -> the axis it is split on.
+        kinds: ``id(layer)`` of each split layer -> its kind.
+        whole: Layers with weights left whole, each with the reason.
+    """
+
+    tensor: int
+    splits: list[LayerSplit] = field(default_factory=list)
+    axes: dict[int, int] = field(default_factory=dict)
+    kinds: dict[int, str] = field(default_factory=dict)
+    whole: list[str] = field(default_factory=list)
+
+    def split_bytes(self, layer: Any) -> int:
+        """Bytes of ``layer``'s variables (its sublayers' included) that are split."""
+        from .sizes import nbytes
+
+        return sum(nbytes(v) for v in layer.variables if id(v) in self.axes)
+
+    def moved_to(self, source: Any, target: Any) -> TensorPlan:
+        """This plan (made for model ``source``) for ``target``, a second build of the same model: layers and
+        variables matched by position, named as ``target`` names them."""
+        pairs = list(zip(_leaf_layers(source), _leaf_layers(target)))
+        moved = TensorPlan(self.tensor, whole=list(self.whole))
+        path = {_path(source, s): _path(target, t) for s, t in pairs}
+        moved.splits = [LayerSplit(path.get(s.layer, s.layer), s.kind, s.shapes) for s in self.splits]
+        for s, t in pairs:
+            if id(s) in self.kinds:
+                moved.kinds[id(t)] = self.kinds[id(s)]
+        for s, t in zip(source.weights, target.weights):
+            if id(s) in self.axes:
+                moved.axes[id(t)] = self.axes[id(s)]
+        return moved
+
+    def describe(self) -> str:
+        lines = [f"tensor_parallel={self.tensor}: {len(self.splits)} layer(s) split"]
+        lines += [f"  {s}" for s in self.splits]
+        lines += [f"  whole: {w}" for w in self.whole]
+        return "\n".join(lines)
+
+
+def _leaf_layers(model: Any) -> list[Any]:
+    """Every layer of ``model``, nested ones included, each once, in tracking order."""
+    seen: set[int] = set()
+    found = []
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if id(layer) not in seen:
+            seen.add(id(layer))
+            found.append(layer)
+    return found
+
+
+def _plain(layer: Any) -> bool:
+    """Whether a layer computes as its class says: no LoRA, no quantization (whose calls are other code)."""
+    return not getattr(layer, "lora_enabled", False) and not getattr(layer, "quantization_mode", None)
+
+
+def _attention_projections(layer: Any) -> list[tuple[Any, int, str]] | None:
+    """A MultiHeadAttention's projections as (EinsumDense, kernel axis of the heads, 'in' or 'out'), or None when
+    their kernels are not laid out as Keras lays them out (heads on kernel axis 1 in, axis 0 out)."""
+    heads = getattr(layer, "_num_heads", None)
+    names = ["_query_dense", "_key_dense", "_value_dense"]
+    names += ["_gate_dense"] if getattr(layer, "_use_gate", False) else []
+    found = []
+    for name in names:
+        dense = getattr(layer, name, None)
+        if dense is None or not _plain(dense) or len(dense.kernel.shape) != 3 or dense.kernel.shape[1] != heads:
+            return None
+        found.append((dense, 1, "in"))
+    out = getattr(layer, "_output_dense", None)
+    if out is None or not _plain(out) or len(out.kernel.shape) != 3 or out.kernel.shape[0] != heads:
+        return None
+    found.append((out, 0, "out"))
+    return found
+
+
+def _dense_edges(model: Any, dense: list[Any], sample: Any) -> list[tuple[int, int]]:
+    """Pairs (i, j) of ``dense`` layers where layer j's input is layer i's output, in the order of one traced call."""
+    import tensorflow as tf
+
+    from .units import probe_inputs
+
+    produced: dict[int, tuple[Any, int]] = {}
+    edges: list[tuple[int, int]] = []
+    originals = {}
+
+    def wrap(index: int, layer: Any) -> None:
+        original = layer.call
+        originals[index] = original
+
+        def call(inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            source = produced.get(id(inputs))
+            if source is not None and source[0] is inputs:
+                edges.append((source[1], index))
+            output = original(inputs, *args, **kwargs)
+            produced[id(output)] = (output, index)
+            return output
+
+        layer.call = call
+
+    for index, layer in enumerate(dense):
+        wrap(index, layer)
+    try:
+        x = probe_inputs(model)[0] if sample is None else tf.nest.map_structure(lambda a: a[:2], sample)
+        tf.function(lambda x: model(x, training=True), autograph=False).get_concrete_function(
+            tf.nest.map_structure(lambda a: tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)), x)
+        )
+    finally:
+        for layer in dense:
+            del layer.call  # the instance attribute: the class's call again
+    return edges
+
+
+def plan_splits(model: Any, tensor: int, sample: Any = None) -> TensorPlan:
+    """Decide which layers of ``model`` (built) are split over ``tensor`` devices and how (see the module's notes).
+
+    A ``MultiHeadAttention`` with at least ``tensor`` heads is split by heads; an ``Embedding`` with at least
+    ``tensor`` rows by vocabulary; ``Dense`` layers by columns, except one whose input is a columns-split ``Dense``'s
+    output (one traced call of the model on ``sample`` or a probe batch tells), which is split by rows. A dimension
+    that does not divide by ``tensor`` is shared unevenly (:func:`part_sizes`).
+
+    Example:
+        >>> import keras
+        >>> mlp = keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation="relu", name="up"),
+        ...                         keras.layers.Dense(8, name="down"), keras.layers.LayerNormalization(name="ln")])
+        >>> print(plan_splits(mlp, 2).describe())
+        tensor_parallel=2: 2 layer(s) split
+          up: by output columns (each device computes its slice of the output) [8x32, 32]
+          down: by input rows (partial products added once) [32x8]
+          whole: ln (LayerNormalization: no split for this kind of layer)
+    """
+    import keras
+
+    from .checks import check_int
+
+    check_int("tensor_parallel", tensor)
+    plan = TensorPlan(tensor)
+    layers = _leaf_layers(model)
+    claimed: set[int] = set()
+    chosen: dict[int, tuple[str, list[tuple[Any, int]]]] = {}  # id(layer) -> (kind, [(variable, axis)])
+
+    for layer in layers:
+        if isinstance(layer, keras.layers.MultiHeadAttention) and getattr(layer, "_num_heads", 0) >= tensor:
+            projections = _attention_projections(layer)
+            if projections is None:
+                continue
+            split = []
+            for dense, axis, side in projections:
+                claimed.add(id(dense))
+                split.append((dense.kernel, axis))
+                if dense.bias is not None and side == "in":
+                    split.append((dense.bias, 0))  # (heads, size per head)
+            chosen[id(layer)] = ("heads", split)
+            claimed.add(id(layer))
+
+    dense = [
+        layer
+        for layer in layers
+        if type(layer) is keras.layers.Dense and id(layer) not in claimed and _plain(layer) and layer.built
+    ]
+    rows: set[int] = set()
+    columns: set[int] = set()
+    if len(dense) > 1:
+        for i, j in _dense_edges(model, dense, sample):
+            a, b = dense[i], dense[j]
+            if id(a) in rows or id(a) in columns or id(b) in rows or id(b) in columns or a.units < tensor:
+                continue
+            columns.add(id(a))
+            rows.add(id(b))
+    for layer in dense:
+        if id(layer) in rows:
+            chosen[id(layer)] = ("rows", [(layer.kernel, 0)])
+        elif layer.units >= tensor:
+            chosen[id(layer)] = ("columns", [(layer.kernel, 1)] + ([(layer.bias, 0)] if layer.bias is not None else []))
+
+    for layer in layers:
+        if isinstance(layer, keras.layers.Embedding) and _plain(layer) and layer.input_dim >= tensor:
+            split = [(layer.embeddings, 0)]
+            reverse = getattr(layer, "reverse_embeddings", None)
+            if reverse is not None and not getattr(layer, "tie_weights", True):
+                split.append((reverse, 1))
+            chosen[id(layer)] = ("embedding", split)
+            claimed.add(id(layer))
+
+    for layer in layers:
+        entry = chosen.get(id(layer))
+        if entry is not None:
+            kind, split = entry
+            kind = "vocab" if kind == "embedding" else kind
+            plan.kinds[id(layer)] = kind
+            plan.splits.append(LayerSplit(_path(model, layer), kind, tuple(tuple(v.shape) for v, _ in split)))
+            plan.axes.update({id(v): axis for v, axis in split})
+        elif layer._trainable_variables and id(layer) not in claimed and not layer._layers:
+            plan.whole.append(f"{_path(model, layer)} ({_why_whole(layer, tensor)})")
+    return plan
+
+
+def _path(model: Any, layer: Any) -> str:
+    """``layer``'s path inside ``model`` (Keras' path without the model's own name)."""
+    prefix, path = model.name + "/", layer.path or layer.name
+    return path[len(prefix) :] if path.startswith(prefix) else path
+
+
+def _why_whole(layer: Any, tensor: int) -> str:
+    import keras
+
+    kind = type(layer).__name__
+    if not _plain(layer):
+        return f"{kind} with LoRA or quantization"
+    if isinstance(layer, keras.layers.Dense):
+        return f"{kind} with {layer.units} unit(s), fewer than tensor_parallel={tensor}"
+    if isinstance(layer, keras.layers.Embedding):
+        return f"{kind} with {layer.input_dim} row(s), fewer than tensor_parallel={tensor}"
+    return f"{kind}: no split for this kind of layer"
+
+
+# -- training and checkpoints -----------------------------------------------------------------------------------------
+def trained_variables(model: Any) -> list[Any]:
+    """``model.trainable_variables`` with each split variable replaced by its parts: what the gradient is taken with
+    respect to and what the optimizer updates (each part's slots on the part's device)."""
+    return [p for v in model.trainable_variables for p in getattr(v, _PARTS, (v,))]
+
+
+def tag_slots(optimizer: Any) -> None:
+    """Mark each slot ``optimizer`` creates for a part of a split variable (a Keras optimizer creates a slot from its
+    variable), so that :func:`saved_state` joins a variable's slots into one whole slot."""
+    for target in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if target is None or "add_variable_from_reference" in vars(target):
+            continue
+        original = target.add_variable_from_reference
+        made: dict[int, int] = {}
+
+        def add_variable_from_reference(
+            reference: Any,
+            *args: Any,
+            original: Callable[..., Any] = original,
+            made: dict[int, int] = made,
+            **kwargs: Any,
+        ) -> Any:
+            slot = original(reference, *args, **kwargs)
+            part = getattr(reference, _PART, None)
+            if part is not None:
+                ordinal = made.get(id(reference), 0)
+                made[id(reference)] = ordinal + 1
+                setattr(slot, _SLOT_OF, (part[0], part[1], ordinal))
+            return slot
+
+        target.add_variable_from_reference = add_variable_from_reference
+
+
+def saved_state(variables: Sequence[Any]) -> list[Any]:
+    """``variables`` (an optimizer's, Keras variables) as a checkpoint holds them: each split variable's slots joined
+    into one :class:`WholeVariable` at the first part's position, the other parts' slots left out, so the list is the
+    one a model whose variables are whole has. Other variables: their value."""
+    joined: dict[tuple[int, int], list[Any]] = {}
+    for v in variables:
+        tag = getattr(v, _SLOT_OF, None)
+        if tag is not None:
+            joined.setdefault((id(tag[0]), tag[2]), []).append((tag[1], v.value))
+    state = []
+    for v in variables:
+        tag = getattr(v, _SLOT_OF, None)
+        if tag is None:
+            state.append(v.value)
+        elif tag[1] == 0:
+            parts = [value for _, value in sorted(joined[(id(tag[0]), tag[2])], key=lambda item: item[0])]
+            state.append(WholeVariable(parts, tag[0].value.axis, v.name))
+    return state
+
+
+# -- computation -------------------------------------------------------------------------------------------------------
+class SplitLayers:
+    """Makes the split layers of a built model compute on their parts: each split layer's ``call`` (the instance
+    attribute, the public method) replaced by its split computation.
+
+    ``devices(layer)`` gives the devices of the layer's parts for the replica being traced, in part order.
+    """
+
+    def __init__(self, plan: TensorPlan, devices: Callable[[Any], Sequence[str]]) -> None:
+        self.plan = plan
+        self.devices = devices
+        self._shard: int | None = None  # the part being traced inside a heads-split attention layer
+        self._slices: dict[int, tuple[Any, list[Any], int]] = {}  # id(joined tensor) -> (it, its slices, axis)
+
+    def attach(self, model: Any) -> None:
+        """Give each split variable of ``model`` its parts as Keras variables, and wrap the split layers' calls."""
+        import keras
+
+        for v in model.weights:
+            if _is_whole(v.value) and not hasattr(v, _PARTS):
+                parts = [_keras_part(v, k, p) for k, p in enumerate(v.value.parts)]
+                setattr(v, _PARTS, parts)
+        for layer in _leaf_layers(model):
+            kind = self.plan.kinds.get(id(layer))
+            if kind == "heads":
+                self._heads(layer)
+            elif kind == "columns":
+                self._columns(layer)
+            elif kind == "rows":
+                self._rows(layer)
+            elif kind == "vocab":
+                self._vocab(layer, isinstance(layer, keras.layers.Embedding) and hasattr(layer, "tie_weights"))
+
+    # slices of a joined output, kept so that a rows-split consumer takes them without the join
+    def _joined(self, pieces: list[Any], axis: int) -> Any:
+        import tensorflow as tf
+
+        whole = tf.concat(pieces, axis=axis)
+        if len(self._slices) > 4096:  # graphs traced long ago: the entries only ever save a split
+            self._slices.clear()
+        self._slices[id(whole)] = (whole, pieces, axis)
+        return whole
+
+    def _split(self, x: Any, sizes: list[int], axis: int) -> list[Any]:
+        import tensorflow as tf
+
+        entry = self._slices.get(id(x))
+        if entry is not None and entry[0] is x and entry[2] % len(x.shape) == axis % len(x.shape):
+            if [int(p.shape[axis]) for p in entry[1]] == sizes:
+                return entry[1]
+        return tf.split(x, sizes, axis=axis)
+
+    def _columns(self, layer: Any) -> None:
+        import keras
+
+        kernel, bias = _parts(layer.kernel), _parts(layer.bias)
+
+        def call(inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            del args, kwargs
+            import tensorflow as tf
+
+            pieces = []
+            for k, device in enumerate(self.devices(layer)):
+                with tf.device(device):
+                    y = keras.ops.matmul(inputs, kernel[k].value)
+                    if bias is not None:
+                        y = keras.ops.add(y, bias[k].value)
+                    pieces.append(layer.activation(y) if layer.activation is not None else y)
+            return self._joined(pieces, axis=-1)
+
+        layer.call = call
+
+    def _rows(self, layer: Any) -> None:
+        import keras
+
+        kernel = _parts(layer.kernel)
+        sizes = [int(p.shape[0]) for p in kernel]
+
+        def call(inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            del args, kwargs
+            import tensorflow as tf
+
+            pieces = self._split(inputs, sizes, axis=-1)
+            partial = []
+            for k, device in enumerate(self.devices(layer)):
+                with tf.device(device):
+                    partial.append(keras.ops.matmul(pieces[k], kernel[k].value))
+            y = tf.add_n(partial)  # the one reduction
+            if layer.bias is not None:
+                y = keras.ops.add(y, layer.bias.value)
+            return layer.activation(y) if layer.activation is not None else y
+
+        layer.call = call
+
+    def _heads(self, layer: Any) -> None:
+        import keras
+
+        projections = _attention_projections(layer)
+        assert projections is not None
+        original = layer.call
+        out = projections[-1][0]
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            import tensorflow as tf
+
+            if kwargs.get("cache") is not None:  # generation with a whole key/value cache: the projections join
+                return original(*args, **kwargs)
+            results = []
+            for k, device in enumerate(self.devices(layer)):
+                previous, self._shard = self._shard, k
+                try:
+                    with tf.device(device):
+                        results.append(original(*args, **kwargs))
+                finally:
+                    self._shard = previous
+            first = [r[0] if isinstance(r, tuple) else r for r in results]
+            y = tf.add_n(first)  # the one reduction
+            if out.bias is not None:
+                y = keras.ops.add(y, out.bias.value)
+            if out.activation is not None:
+                y = out.activation(y)
+            if not isinstance(results[0], tuple):
+                return y
+            # return_attention_scores: (batch, heads, ...) scores, joined by heads
+            return (y, *(tf.concat([r[i] for r in results], axis=1) for i in range(1, len(results[0]))))
+
+        layer.call = call
+        for dense, _, side in projections:
+            self._projection(layer, dense, side)
+
+    def _projection(self, attention: Any, dense: Any, side: str) -> None:
+        """An attention layer's projection: in the traced part ``k`` (:meth:`_heads`), its heads' slice; outside one
+        (a cached generation step), the whole computation from the parts."""
+        import keras
+        import tensorflow as tf
+
+        kernel, bias = _parts(dense.kernel), _parts(dense.bias) if side == "in" else None
+        inputs_spec, rest = dense.equation.split(",")
+        kernel_spec, output_spec = rest.split("->")
+        heads = kernel_spec[1] if side == "in" else kernel_spec[0]
+        heads_axis = output_spec.index(heads) if side == "in" else inputs_spec.index(heads)
+        sizes = [int(p.shape[1 if side == "in" else 0]) for p in kernel]
+
+        def one(inputs: Any, k: int) -> Any:
+            y = keras.ops.einsum(dense.equation, inputs, kernel[k].value)
+            if side == "in":
+                if bias is not None:
+                    y = keras.ops.add(y, bias[k].value)
+                if dense.activation is not None:
+                    y = dense.activation(y)
+            return y
+
+        def call(inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            del args, kwargs
+            if self._shard is not None:
+                return one(inputs, self._shard)
+            devices = self.devices(attention)
+            if side == "in":
+                pieces = []
+                for k, device in enumerate(devices):
+                    with tf.device(device):
+                        pieces.append(one(inputs, k))
+                return self._joined(pieces, axis=heads_axis)
+            pieces = self._split(inputs, sizes, axis=heads_axis)
+            partial = []
+            for k, device in enumerate(devices):
+                with tf.device(device):
+                    partial.append(one(pieces[k], k))
+            y = tf.add_n(partial)
+            if dense.bias is not None:
+                y = keras.ops.add(y, dense.bias.value)
+            return dense.activation(y) if dense.activation is not None else y
+
+        dense.call = call
+
+    def _vocab(self, layer: Any, reversible: bool) -> None:
+        import keras
+        import tensorflow as tf
+
+        table = _parts(layer.embeddings)
+        sizes = [int(p.shape[0]) for p in table]
+        starts = [sum(sizes[:k]) for k in range(len(sizes))]
+        reverse_parts = _parts(getattr(layer, "reverse_embeddings", None)) if reversible else None
+
+        def lookup(inputs: Any) -> Any:
+            ids = inputs if inputs.dtype in ("int32", "int64") else keras.ops.cast(inputs, "int32")
+            pieces = []
+            for k, device in enumerate(self.devices(layer)):
+                with tf.device(device):
+                    local = ids - tf.cast(starts[k], ids.dtype)
+                    inside = tf.logical_and(local >= 0, local < sizes[k])
+                    rows = tf.gather(table[k].value, tf.where(inside, local, tf.zeros_like(local)))
+                    pieces.append(rows * tf.cast(inside, rows.dtype)[..., None])
+            return keras.ops.cast(tf.add_n(pieces), layer.compute_dtype)  # the one reduction
+
+        def logits(inputs: Any) -> Any:
+            pieces = []
+            for k, device in enumerate(self.devices(layer)):
+                with tf.device(device):
+                    kernel = keras.ops.transpose(table[k].value) if layer.tie_weights else reverse_parts[k].value
+                    x = inputs
+                    if layer.reverse_dtype is not None:
+                        x, kernel = keras.ops.cast(x, layer.reverse_dtype), keras.ops.cast(kernel, layer.reverse_dtype)
+                    y = keras.ops.matmul(x, kernel)
+                    if layer.logit_soft_cap is not None:
+                        y = keras.ops.multiply(keras.ops.tanh(y / layer.logit_soft_cap), layer.logit_soft_cap)
+                    pieces.append(y)
+            return self._joined(pieces, axis=-1)
+
+        def call(inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            reverse = kwargs.get("reverse", args[0] if args else False)
+            return logits(inputs) if reversible and reverse else lookup(inputs)
+
+        layer.call = call
+
+
+def _parts(variable: Any) -> list[Any] | None:
+    """A split Keras variable's parts (Keras variables); None for None."""
+    if variable is None:
+        return None
+    return getattr(variable, _PARTS)
+
+
+def _keras_part(whole: Any, k: int, part: Any) -> Any:
+    """A Keras variable over ``part`` (an existing TensorFlow variable), marked as part ``k`` of ``whole``."""
+    import keras
+    import tensorflow as tf
+
+    def existing(next_creator: Callable[..., Any], **kwargs: Any) -> Any:
+        del next_creator, kwargs
+        return part
+
+    def unused(shape: Any, dtype: Any = None) -> None:  # the creator above returns ``part`` without calling it
+        del shape, dtype
+
+    with tf.variable_creator_scope(existing):
+        variable = keras.Variable(
+            unused, shape=part.shape, dtype=part.dtype.name, trainable=whole.trainable, name=f"{whole.name}_part{k}"
+        )
+    setattr(variable, _PART, (whole, k))
+    return variable
