@@ -374,7 +374,7 @@ def test_a_model_fn_that_builds_a_different_model_the_second_time():
 
 def test_a_unit_larger_than_a_device_is_named_with_its_size():
     par = Parallel("model_parallel", devices=2, device_memory="64KiB")
-    with pytest.raises(ValueError, match=r"unit 'big' needs .*KiB.*than a device's 64.00 KiB.*splitting one layer"):
+    with pytest.raises(ValueError, match=r"unit 'big' needs .*KiB.*than a device's 64.00 KiB.*tensor_parallel=2"):
         par.build(big_among_small, optimizer="adam", loss="mse")
 
 

@@ -97,6 +97,7 @@ class ReplicaStep:
                     for v in trained_variables(model)
                 ]
         self.jit_compile = jit_compile
+        self._colocate = backend.capabilities.colocates_gradients
         self._xla_gradients = tf.function(self._replica_gradients, jit_compile=True)
         self._xla_parts = tf.function(self._parts, jit_compile=True)  # a masked loss: its gradient is taken outside
         self._functions: dict[tuple[str, int, tuple[bool, ...], bool, bool], StepFunction] = {}
@@ -223,7 +224,7 @@ class ReplicaStep:
         with tf.GradientTape() as tape:
             loss = self._combine(self._parts(x, y, w, weighted), rows, global_rows)
             loss = self.optimizer.scale_loss(loss)
-        return _gradients_or_zeros(tape, loss, trained_variables(self.model))
+        return _gradients_or_zeros(tape, loss, trained_variables(self.model), self._colocate)
 
     def _gradients(self, x: Any, y: Any, w: Any, rows: tf.Tensor, global_rows: tf.Tensor, weighted: bool) -> list[Any]:
         """This replica's gradients; zeros (of the same kinds) for a replica the last batch left empty."""
@@ -271,7 +272,7 @@ class ReplicaStep:
             else:
                 summed = parts(x, y, w, weighted)
             loss = self.optimizer.scale_loss(self._combine(summed, rows, global_rows))
-        return _gradients_or_zeros(tape, loss, trained_variables(self.model))
+        return _gradients_or_zeros(tape, loss, trained_variables(self.model), self._colocate)
 
     def _train(self, x: Any, y: Any, w: Any, *, update: bool, weighted: bool) -> None:
         """One training step on this replica. With gradient accumulation, ``update`` says whether this step applies
@@ -406,8 +407,15 @@ class ReplicaStep:
         return run
 
 
-def _gradients_or_zeros(tape: tf.GradientTape, loss: tf.Tensor, variables: list[Any]) -> list[Any]:
-    """``loss``'s gradients, zeros for a variable it does not reach (the optimizer takes no None)."""
+def _gradients_or_zeros(tape: tf.GradientTape, loss: tf.Tensor, variables: list[Any], colocate: bool) -> list[Any]:
+    """``loss``'s gradients, zeros for a variable it does not reach (the optimizer takes no None).
+
+    With ``colocate`` (in a traced step), each gradient op runs on its forward op's device: ``tf.gradients`` places
+    them there, while a ``GradientTape`` leaves them to the default device (every stage's backward pass on the first
+    device: tensorflow-notes).
+    """
+    if colocate and not tf.executing_eagerly():
+        return [tf.zeros_like(v) if g is None else g for g, v in zip(tf.gradients(loss, variables), variables)]
     grads = tape.gradient(loss, variables)
     return [tf.zeros_like(v) if g is None else g for g, v in zip(grads, variables)]
 

@@ -376,8 +376,8 @@ def plan_splits(model: Any, tensor: int, sample: Any = None) -> TensorPlan:
 
 def _path(model: Any, layer: Any) -> str:
     """``layer``'s path inside ``model`` (Keras' path without the model's own name)."""
-    prefix, path = model.name + "/", layer.path or layer.name
-    return path[len(prefix) :] if path.startswith(prefix) else path
+    path = layer.path or layer.name
+    return path.split(model.name + "/", 1)[-1]  # Keras' name scopes above the model (if any) left out too
 
 
 def _why_whole(layer: Any, tensor: int) -> str:

@@ -115,6 +115,8 @@ class Capabilities:
             ConvNeXt) cannot run here, or None.
         own_train_step_problem: Why a model's own ``train_step`` cannot run here (as configured), or None.
         shards_optimizer: The optimizer's slots live on one owner device per variable (:mod:`paraml.zero`).
+        colocates_gradients: A replica's step spans several devices, so each gradient op must run on its forward
+            op's device (the step takes ``tf.gradients``, which places them there, rather than a tape's gradient).
     """
 
     skips_empty_replicas: bool = True
@@ -124,6 +126,7 @@ class Capabilities:
     grouped_convolution_problem: str | None = None
     own_train_step_problem: str | None = None
     shards_optimizer: bool = False
+    colocates_gradients: bool = False
 
 
 class Backend(abc.ABC):

@@ -106,6 +106,7 @@ class ModelParallelBackend(StrategyBackend):
     capabilities = Capabilities(
         builds_on_first_batch=False,  # variables are placed at build, so the model must have them then
         xla_problem="under model_parallel one step spans several devices, and an XLA computation runs on one",
+        colocates_gradients=True,  # each stage's (and part's) backward pass on its own device
     )
 
     def __init__(self, devices: DeviceSpec = None, **options: Any) -> None:
@@ -194,10 +195,12 @@ class ModelParallelBackend(StrategyBackend):
         per_stage, copies = self.tensor_parallel, self.data_parallel
         if len(devices) % (per_stage * copies):
             product = per_stage * copies
+            times = f" x tensor_parallel={per_stage} = {product}" if per_stage > 1 else ""
             raise ValueError(
-                f"devices={len(devices)} is not a multiple of data_parallel x tensor_parallel = {copies} x "
-                f"{per_stage} = {product}: devices = data_parallel x stages x tensor_parallel; use "
-                f"{len(devices) - len(devices) % product or product} devices, or other data_parallel/tensor_parallel"
+                f"devices={len(devices)} is not a multiple of data_parallel={copies}{times}: each copy of the "
+                "pipeline takes the same number of devices (devices = data_parallel x stages x tensor_parallel); "
+                f"use {len(devices) - len(devices) % product or product} devices, or another data_parallel or "
+                "tensor_parallel"
             )
         stages = len(devices) // (per_stage * copies)
         groups = [tuple(devices[i : i + per_stage]) for i in range(0, len(devices), per_stage)]
@@ -504,10 +507,8 @@ class ModelParallelBackend(StrategyBackend):
                 continue
             self._tracing = i
             try:
-                with tf.GradientTape() as tape:
-                    y_pred = model(x_part, training=True)
-                    part = objective(x_part, y_part, y_pred, w_part)
-                    rows_loss = part[0]  # sliced on the tape, or the gradient would not reach it
+                y_pred = model(x_part, training=True)
+                part = objective(x_part, y_part, y_pred, w_part)
             finally:
                 self._tracing = None
             mask = keras_masks(y_pred)
@@ -516,7 +517,8 @@ class ModelParallelBackend(StrategyBackend):
                     "schedule='1f1b' takes each micro-batch's gradient before the next one's loss exists, but a loss "
                     "over masked tokens is a mean over the whole batch's tokens; use schedule='gpipe'"
                 )
-            grads = tape.gradient(rows_loss, variables)
+            # tf.gradients places each gradient op on its forward op's device (a tape's go to the default device)
+            grads = tf.gradients(part[0], variables)
             by_stage: dict[int, list[Any]] = {}
             for g, v in zip(grads, variables):
                 stage = self._variable_stage.get(id(v.value))
@@ -603,9 +605,10 @@ def _add(a: Any, b: Any) -> Any:
 def _dot(gradient: Any, variable: Any) -> tf.Tensor:
     """``sum(gradient * variable)`` with the gradient held constant: its gradient w.r.t. ``variable`` is ``gradient``
     (sparse for a sparse one: only the rows it names are read)."""
-    if isinstance(gradient, tf.IndexedSlices):
-        rows = tf.gather(variable, gradient.indices)
-        return tf.reduce_sum(
-            tf.cast(tf.stop_gradient(gradient.values) * tf.cast(rows, gradient.values.dtype), "float32")
-        )
-    return tf.reduce_sum(tf.cast(tf.stop_gradient(gradient) * tf.cast(variable, gradient.dtype), "float32"))
+    with tf.device(getattr(variable, "value", variable).device):  # the gradient of this term is the gradient itself: kept where it was made
+        if isinstance(gradient, tf.IndexedSlices):
+            rows = tf.gather(variable, gradient.indices)
+            return tf.reduce_sum(
+                tf.cast(tf.stop_gradient(gradient.values) * tf.cast(rows, gradient.values.dtype), "float32")
+            )
+        return tf.reduce_sum(tf.cast(tf.stop_gradient(gradient) * tf.cast(variable, gradient.dtype), "float32"))
