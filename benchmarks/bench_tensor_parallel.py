@@ -1,11 +1,11 @@
 """Tensor parallelism: the cross-device reductions per transformer block in the traced training step, the parameter
 bytes per device, and the step time of ``model_parallel`` with ``tensor_parallel=2`` against ``single``.
 
-The model is a keras_hub ``GPT2CausalLM`` (random init; ``--layers`` blocks of hidden ``--hidden``, 8 heads, feed-forward
-4x, vocabulary ``--vocab``, sequence 128). Megatron-LM's layout needs 2 reductions per block forward (after the
-attention's output projection and after the feed-forward's second layer) and 2 backward (the gradients of the
-block's two inputs that fan out to both devices); the benchmark counts, in the graph of one traced training step,
-the additions whose inputs come from more than one device, by block and by direction.
+The model is a keras_hub ``GPT2CausalLM`` (random init; ``--layers`` blocks of hidden ``--hidden``, 8 heads,
+feed-forward 4x, vocabulary ``--vocab``, sequence 128). Megatron-LM's layout needs 2 reductions per block forward
+(after the attention's output projection and after the feed-forward's second layer) and 2 backward (the gradients
+of the block's two inputs that fan out to both devices); the benchmark counts, in the graph of one traced training
+step, the additions whose inputs come from more than one device, by block and by direction.
 
 Timing is :mod:`paraml.benchmark`'s: both variants built and warmed up in this process, windows interleaved, the
 ratio the median of per-round step-time ratios. The devices are 2 GPUs when the machine has them, else 2 logical
@@ -41,20 +41,32 @@ def count_reductions(par: object, x: object, y: object, loss: object) -> dict[st
 
     @tf.function(autograph=False)
     def step(x: object, y: object) -> object:
-        with tf.GradientTape() as tape:
-            value = tf.reduce_mean(loss(y, model(x, training=True)))  # type: ignore[operator]
-        return tape.gradient(value, variables)
+        value = tf.reduce_mean(loss(y, model(x, training=True)))  # type: ignore[operator]
+        return tf.gradients(value, variables)  # as paraml's step: each gradient op on its forward op's device
 
     graph = step.get_concrete_function(x, y).graph
+
+    def forward_op(op: tf.Operation) -> tf.Operation:
+        """The op ``op`` is colocated with (a gradient op's forward op), or ``op``."""
+        for group in op.colocation_groups():
+            name = group.decode()[len("loc:@") :]
+            if name != op.name:
+                return forward_op(graph.get_operation_by_name(name))
+        return op
+
+    def device(op: tf.Operation) -> str:
+        """Where ``op`` runs: its device, or that of the op it is colocated with."""
+        return op.device or forward_op(op).device
+
     found: dict[str, Counter] = {"forward": Counter(), "backward": Counter()}
     for op in graph.get_operations():
         if op.type not in ("AddN", "AddV2", "Add"):
             continue
-        devices = {i.op.device for i in op.inputs if i.op.device}
+        devices = {device(i.op) for i in op.inputs} - {""}
         if len(devices) < 2:
             continue
-        direction = "backward" if "gradient" in op.name.lower() else "forward"
-        block = re.search(r"transformer_layer_\d+", op.name)
+        direction = "backward" if op.name.startswith("gradients") else "forward"
+        block = re.search(r"transformer_layer_\d+", forward_op(op).name)
         found[direction][block.group(0) if block else "other"] += 1
     return found
 
@@ -79,7 +91,16 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from paraml import Parallel
-    from paraml.benchmark import Spec, Workload, environment, format_table, measure, paired, progress_printer, write_json
+    from paraml.benchmark import (
+        Spec,
+        Workload,
+        environment,
+        format_table,
+        measure,
+        paired,
+        progress_printer,
+        write_json,
+    )
 
     sequence = 128
 
@@ -96,9 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
 
     def token_loss(y_true: object, y_pred: object) -> object:
-        return keras.ops.mean(
-            keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True), axis=-1
-        )
+        return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True), axis=-1)
 
     rows = (args.steps + 1) * args.batch_size
     rng = np.random.default_rng(0)
@@ -121,16 +140,24 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print("parameter bytes per device:")
-    print(format_table([[d, f"{b['parameters']:,}", f"{b['parameters'] / total:.2f}"] for d, b in memory.items()],
-                       ["device", "bytes", "share"]))
+    print(
+        format_table(
+            [[d, f"{b['parameters']:,}", f"{b['parameters'] / total:.2f}"] for d, b in memory.items()],
+            ["device", "bytes", "share"],
+        )
+    )
 
     work = Workload(model_fn, x, y, steps_per_call=args.steps + 1, batch_size=args.batch_size, loss=token_loss)
     plan = [(Spec("single", 1), work), (Spec("model_parallel", 2, options={"tensor_parallel": 2}, tag="tp2"), work)]
     results, _ = measure(plan, args.windows, progress=progress_printer("bench"))
     single, split = results
     ratio = paired(split.windows_ms["step_ms"], single.windows_ms["step_ms"])
-    print(format_table([[r.label, f"{r.samples_per_s:,.1f}", f"{r.step_ms:.1f}"] for r in results],
-                       ["variant", "samples/s", "step ms"]))
+    print(
+        format_table(
+            [[r.label, f"{r.samples_per_s:,.1f}", f"{r.step_ms:.1f}"] for r in results],
+            ["variant", "samples/s", "step ms"],
+        )
+    )
     print(f"step time tensor_parallel=2 / single: {ratio:.2f}")
     record = {
         "environment": environment(),

@@ -71,7 +71,8 @@ def test_auto_runs_copies_of_the_shortest_pipeline_that_fits():
 
 def test_a_layer_larger_than_a_device_is_named_when_auto_picks_model_parallel():
     par = Parallel("auto", devices=2, device_memory="64KiB")  # even split over both devices, half of it is too large
-    with pytest.raises(ValueError, match=r"unit 'dense_\d+' needs 5\d\d.\d\d KiB .*tensor_parallel=2.*than a device's 64"):
+    needs = r"unit 'dense_\d+' needs 5\d\d.\d\d KiB .*tensor_parallel=2.*than a device's 64"
+    with pytest.raises(ValueError, match=needs):
         par.build(wide, optimizer="adam", loss="mse")
 
 

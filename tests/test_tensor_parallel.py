@@ -8,7 +8,7 @@ import pytest
 from conftest import logits_loss
 from test_model_parallel import bert, bert_data, token_data, token_loss
 
-from paraml import Parallel
+from paraml import Parallel, estimate_memory
 from paraml.memory import variable_bytes_by_device
 from paraml.tensor_parallel import plan_splits
 
@@ -199,3 +199,14 @@ def test_plan_pairs_columns_with_rows_and_says_what_stays_whole():
 def test_bad_tensor_parallel_settings_fail_at_construction(strategy, options, message):
     with pytest.raises(ValueError, match=message):
         Parallel(strategy, **options)
+
+
+def test_the_estimate_per_device_is_what_the_first_device_holds():
+    par = Parallel("model_parallel", devices=2, tensor_parallel=2)
+    par.build(mlp, optimizer="adam", loss="mse")
+    held = par.memory_by_device()[par.devices[0]]
+    estimate = estimate_memory(mlp, batch_size=8, optimizer="adam", tensor_parallel=2)
+    whole = estimate_memory(mlp, batch_size=8, optimizer="adam")
+    assert estimate.parameters == held["parameters"] < 0.6 * whole.parameters
+    assert abs(estimate.optimizer_slots - held["optimizer"]) <= 16  # the step counter and learning rate
+    assert "tensor-parallel" in estimate.note

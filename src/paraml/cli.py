@@ -87,6 +87,7 @@ def _estimate(ns: argparse.Namespace) -> int:
             optimizer=ns.optimizer,
             remat=ns.remat,
             optimizer_shards=ns.optimizer_shards,
+            tensor_parallel=ns.tensor_parallel,
         )
     )
     return 0
@@ -141,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--remat", action="store_true", help="the estimate with activations recomputed (remat=True)")
     estimate.add_argument(
         "--optimizer-shards", type=int, default=1, metavar="N", help="optimizer state sharded over N devices"
+    )
+    estimate.add_argument(
+        "--tensor-parallel", type=int, default=1, metavar="T", help="layers split over T devices (per device)"
     )
     estimate.set_defaults(run=_estimate)
 

@@ -163,6 +163,7 @@ def estimate_memory(
     remat: bool = False,
     sample: Any = None,
     optimizer_shards: int = 1,
+    tensor_parallel: int = 1,
     observation: Observation | None = None,
 ) -> MemoryEstimate:
     """Estimate the memory needed to train ``model`` (see the module docstring).
@@ -181,6 +182,10 @@ def estimate_memory(
             uses: give one when the model leaves its sequence length or image size unknown.
         optimizer_shards: The optimizer slots split over this many devices as ``shard_optimizer=True`` splits them
             (each variable's slots on one owner, owners balanced by bytes): the slots of the device holding most.
+        tensor_parallel: The model's Dense, attention and Embedding layers split over this many devices as
+            ``model_parallel``'s ``tensor_parallel`` splits them (:func:`paraml.tensor_parallel.plan_splits`): the
+            parameters, gradients and slots of the device holding most (the layers left whole and the largest part of
+            each split one); the activations are counted whole.
         observation: :func:`paraml.units.observe_units` of ``model`` to reuse (measured with recompute when the
             estimate is); measured here when None.
 
@@ -201,6 +206,26 @@ def estimate_memory(
     gradients = variable_bytes(trainable)
     notes: list[str] = []
     slots = _slot_bytes(optimizer, trainable, exact_slots, check_int("optimizer_shards", optimizer_shards), notes)
+    if check_int("tensor_parallel", tensor_parallel) > 1:
+        from .tensor_parallel import part_sizes, plan_splits
+
+        plan = plan_splits(model, tensor_parallel, sample)
+
+        def on_first_device(variables: list[Any]) -> int:
+            held = 0
+            for v in variables:
+                axis = plan.axes.get(id(v))
+                size = variable_bytes([v])
+                held += size if axis is None else size * part_sizes(v.shape[axis], tensor_parallel)[0] // v.shape[axis]
+            return held
+
+        whole_gradients = gradients
+        parameters, gradients = on_first_device(model.weights), on_first_device(trainable)
+        slots = round(slots * gradients / max(whole_gradients, 1))
+        notes.append(
+            f"parameters, gradients and slots of the first of {tensor_parallel} tensor-parallel devices (its whole "
+            "layers and the largest part of each split one); activations counted whole"
+        )
     if not isinstance(remat, bool):
         raise ValueError(f"remat must be True or False, got {remat!r}")
     if observation is None:

@@ -265,7 +265,7 @@ def _dense_edges(model: Any, dense: list[Any], sample: Any) -> list[tuple[int, i
 
     def wrap(index: int, layer: Any) -> None:
         original = layer.call
-        originals[index] = original
+        originals[index] = vars(layer).get("call")  # an instance's own call (a wrapper) is put back after
 
         def call(inputs: Any, *args: Any, **kwargs: Any) -> Any:
             source = produced.get(id(inputs))
@@ -285,8 +285,11 @@ def _dense_edges(model: Any, dense: list[Any], sample: Any) -> list[tuple[int, i
             tf.nest.map_structure(lambda a: tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)), x)
         )
     finally:
-        for layer in dense:
-            del layer.call  # the instance attribute: the class's call again
+        for index, layer in enumerate(dense):
+            if originals[index] is None:
+                del layer.call  # the class's call again
+            else:
+                layer.call = originals[index]
     return edges
 
 

@@ -33,6 +33,10 @@ How it works, and why:
   strategy's scope moves copy r of each variable onto pipeline r's device of the variable's stage, and each unit
   runs on its stage's device of the pipeline of the replica being traced. So distributing the batches, the gradient
   all-reduce, the optimizer update and the checkpoints are the data-parallel backends' own.
+- **Layers split over devices.** With ``tensor_parallel=T`` a stage spans T devices: the same creator makes each
+  split weight's parts there (:mod:`paraml.tensor_parallel` plans the splits on the first build), and the split
+  layers' calls compute on the parts. A step spans devices, so its gradient is taken with ``tf.gradients``, which runs
+  each gradient op on its forward op's device (a tape's would all run on the first device).
 """
 
 from __future__ import annotations
@@ -81,8 +85,10 @@ class ModelParallelBackend(StrategyBackend):
     rows: the sequence length or image size the activations are measured at, when the model leaves them unknown),
     ``device_memory`` (``"16GiB"``, bytes, or None: what TensorFlow tells; a unit or a stage larger than that is
     refused at build) and ``data_parallel`` (default 1: R copies of the pipeline, each on ``devices / R`` devices and
-    its slice of the global batch, their gradients all-reduced). In a cluster of several workers (``TF_CONFIG`` or a
-    scheduler's variables) each worker runs one pipeline over its devices and the workers are its copies.
+    its slice of the global batch, their gradients all-reduced) and ``tensor_parallel`` (default 1: each stage on T
+    devices, its Dense, attention and Embedding layers split over them, :mod:`paraml.tensor_parallel`; devices =
+    data_parallel x stages x T). In a cluster of several workers (``TF_CONFIG`` or a scheduler's variables) each
+    worker runs one pipeline over its devices and the workers are its copies.
 
     >>> import keras
     >>> from paraml import Parallel
@@ -605,7 +611,8 @@ def _add(a: Any, b: Any) -> Any:
 def _dot(gradient: Any, variable: Any) -> tf.Tensor:
     """``sum(gradient * variable)`` with the gradient held constant: its gradient w.r.t. ``variable`` is ``gradient``
     (sparse for a sparse one: only the rows it names are read)."""
-    with tf.device(getattr(variable, "value", variable).device):  # the gradient of this term is the gradient itself: kept where it was made
+    # The gradient of this term is the gradient itself: kept on the variable's device, where it was made.
+    with tf.device(getattr(variable, "value", variable).device):
         if isinstance(gradient, tf.IndexedSlices):
             rows = tf.gather(variable, gradient.indices)
             return tf.reduce_sum(
