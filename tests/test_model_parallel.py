@@ -86,11 +86,11 @@ def transformer():
     return keras.Model(inputs, keras.layers.Dense(3, name="out")(keras.layers.GlobalAveragePooling1D(name="pool")(h)))
 
 
-def gpt2():
+def gpt2(num_layers=4, num_heads=2):
     backbone = keras_hub.models.GPT2Backbone(
         vocabulary_size=100,
-        num_layers=4,
-        num_heads=2,
+        num_layers=num_layers,
+        num_heads=num_heads,
         hidden_dim=32,
         intermediate_dim=64,
         max_sequence_length=16,

@@ -2,11 +2,11 @@
 devices (Megatron-LM's column/row, heads and vocabulary splits), the model's face whole."""
 
 import keras
-import keras_hub
 import numpy as np
 import pytest
 from conftest import logits_loss
 from test_model_parallel import bert, bert_data, token_data, token_loss
+from test_model_parallel import gpt2 as model_parallel_gpt2
 
 from paraml import Parallel, estimate_memory
 from paraml.memory import variable_bytes_by_device
@@ -14,16 +14,9 @@ from paraml.tensor_parallel import plan_splits
 
 
 def gpt2():
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=100,
-        num_layers=2,
-        num_heads=4,
-        hidden_dim=32,
-        intermediate_dim=64,
-        max_sequence_length=16,
-        dropout=0.0,  # each device draws its heads' attention-dropout mask: equal to single only without dropout
-    )
-    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    """A 2-block keras_hub GPT-2 with 4 heads, no dropout (each device draws its heads' attention-dropout mask, so
+    only without dropout are the numbers single's)."""
+    return model_parallel_gpt2(num_layers=2, num_heads=4)
 
 
 def mlp():

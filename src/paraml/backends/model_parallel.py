@@ -274,15 +274,11 @@ class ModelParallelBackend(StrategyBackend):
         self.notes = observation_notes(observation)
         slots = optimizer_slots_per_param(optimizer) if optimizer is not None else 0
         costs = unit_costs(observation, self.batch_size, remat=remat)
-        tensor_plan = None
-        if self.tensor_parallel > 1:
-            tensor_plan = plan_splits(probe, self.tensor_parallel, self.sample)
-            # A device of a stage holds 1/T of each split variable (its activations are counted whole).
-            share = {
-                u.name: tensor_plan.split_bytes(u.layer) * (self.tensor_parallel - 1) // self.tensor_parallel
-                for u in observation.units
-            }
-            costs = [replace(c, param_bytes=c.param_bytes - share.get(c.name, 0)) for c in costs]
+        tensor_plan = plan_splits(probe, self.tensor_parallel, self.sample) if self.tensor_parallel > 1 else None
+        if tensor_plan is not None:  # a device of a stage holds 1/T of each split variable (activations: whole)
+            t = self.tensor_parallel
+            shared = {u.name: tensor_plan.split_bytes(u.layer) * (t - 1) // t for u in observation.units}
+            costs = [replace(c, param_bytes=c.param_bytes - shared.get(c.name, 0)) for c in costs]
         devices = self.stage_devices
         self.plan = make_plan(costs, self.partition, len(devices), slots)
         self._check_fits(costs, slots)
@@ -291,11 +287,8 @@ class ModelParallelBackend(StrategyBackend):
         owner = {id(v.value): u.name for u in observation.units for v in u.layer.variables}
         placed_on = [stage_device.get(owner.get(id(v)), devices[0]) for v in created]
         stage_of = {device: index for index, device in enumerate(devices)}
-        split_axis = (
-            {}
-            if tensor_plan is None
-            else {id(v.value): tensor_plan.axes[id(v)] for v in probe.weights if id(v) in tensor_plan.axes}
-        )
+        axes = {} if tensor_plan is None else tensor_plan.axes
+        split_axis = {id(v.value): axes[id(v)] for v in probe.weights if id(v) in axes}
         count = iter(range(len(placed_on) + 1))
         different = (
             "model_fn built a different model the second time ({}): it must build the same model on every call "
@@ -344,12 +337,7 @@ class ModelParallelBackend(StrategyBackend):
         device_of = {renamed[name]: device for name, device in stage_device.items()}
         self.placement = [(name, by_name[name], device_of[name]) for name in order]
         if tensor_plan is not None:
-            self.tensor_plan = tensor_plan.moved_to(probe, model)
-            stage_of_layer: dict[int, int] = {}
-            for _, layer, device in self.placement:
-                for sub in nested_layers(layer):
-                    stage_of_layer.setdefault(id(sub), stage_of[device])
-            SplitLayers(self.tensor_plan, lambda layer: self.stage_group(stage_of_layer[id(layer)])).attach(model)
+            self._split_layers(tensor_plan.moved_to(probe, model), model, stage_of)
         self._variable_stage = {  # the parts of split variables by their own
             id(v.value): stage_of[d] for _, layer, d in self.placement for v in trained_variables(layer)
         }
@@ -357,6 +345,15 @@ class ModelParallelBackend(StrategyBackend):
             stage = stage_of[device]
             _stage_call(layer, lambda stage=stage: self.stage_device(stage), lambda stage=stage: self._gate(stage))
         return model
+
+    def _split_layers(self, plan: TensorPlan, model: keras.Model, stage_of: dict[str, int]) -> None:
+        """Make ``plan``'s split layers of ``model`` compute on their parts, on their stage's devices."""
+        self.tensor_plan = plan
+        stage_of_layer: dict[int, int] = {}
+        for _, layer, device in self.placement:
+            for sub in nested_layers(layer):
+                stage_of_layer.setdefault(id(sub), stage_of[device])
+        SplitLayers(plan, lambda layer: self.stage_group(stage_of_layer[id(layer)])).attach(model)
 
     def _split_variable(
         self, next_creator: Callable[..., Any], kwargs: dict[str, Any], stage: int, shape: tuple[int, ...], axis: int
