@@ -25,8 +25,8 @@ def mlp():
             keras.Input((8,)),
             keras.layers.Dense(64, activation="relu"),
             keras.layers.Dense(32),
-            keras.layers.Dense(48, activation="gelu"),
-            keras.layers.Dense(3),
+            keras.layers.EinsumDense("ab,bc->ac", output_shape=48, bias_axes="c", activation="gelu"),
+            keras.layers.EinsumDense("ab,bc->ac", output_shape=3),  # an EinsumDense that computes as a Dense
         ]
     )
 
@@ -178,6 +178,7 @@ def test_plan_pairs_columns_with_rows_and_says_what_stays_whole():
     assert [(s.layer, s.kind) for s in plan.splits] == [("up", "columns"), ("down", "rows"), ("alone", "columns")]
     assert [w.split(" ")[0] for w in plan.whole] == ["norm", "one"]
     assert "fewer than tensor_parallel=2" in plan.whole[1]
+    assert [s.kind for s in plan_splits(mlp(), 2).splits] == ["columns", "rows", "columns", "rows"]
     assert plan.split_bytes(model) == (8 * 32 + 32 + 32 * 8 + 8 * 16 + 16) * 4
 
 

@@ -3,8 +3,9 @@
 ``model_parallel`` places whole layers on stages; here the large layers of each stage are split over the stage's T
 devices, each device holding and computing its slice:
 
-- **columns** (a ``Dense`` whose output feeds another ``Dense``, or one that feeds nothing splittable): the kernel's
-  output columns and the bias are split; each device computes its slice of the output (activation included).
+- **columns** (a ``Dense``, or an ``EinsumDense`` computing as one, whose output feeds another, or one that feeds
+  nothing splittable): the kernel's output columns and the bias are split; each device computes its slice of the
+  output (activation included).
 - **rows** (the ``Dense`` a columns-split one feeds): the kernel's input rows are split; each device multiplies the
   slice of the input its partner computed, and the partial products are added once (one reduction), then the bias
   and the activation. A column-then-row pair (a transformer's feed-forward block) exchanges nothing in between.
@@ -253,6 +254,44 @@ def _attention_projections(layer: Any) -> list[tuple[Any, int, str]] | None:
     return found
 
 
+def _dense_like(layer: Any) -> bool:
+    """A ``Dense``, or an ``EinsumDense`` that computes as one (``...c,cd->...d``, bias on ``d`` or none): a product
+    over the input's last axis with a 2-D kernel, which splits by columns or rows."""
+    import keras
+
+    if not _plain(layer) or not layer.built:
+        return False
+    if type(layer) is keras.layers.Dense:
+        return True
+    if type(layer) is not keras.layers.EinsumDense or len(layer.kernel.shape) != 2:
+        return False
+    inputs, rest = layer.equation.replace("...", "").split(",")
+    kernel, output = rest.split("->")
+    c, d = kernel
+    return (
+        inputs[-1:] == c
+        and output[-1:] == d
+        and c not in output
+        and d not in inputs
+        and inputs[:-1] == output[:-1]
+        and (layer.bias_axes or d) == d
+    )
+
+
+def _units(layer: Any) -> int:
+    """Output columns of a :func:`_dense_like` layer."""
+    return int(layer.kernel.shape[-1])
+
+
+def _product(layer: Any, x: Any, kernel: Any) -> Any:
+    """``x`` times ``kernel`` (a part of ``layer``'s) as ``layer`` computes it."""
+    import keras
+
+    if hasattr(layer, "equation"):
+        return keras.ops.einsum(layer.equation, x, kernel)
+    return keras.ops.matmul(x, kernel)
+
+
 def _dense_edges(model: Any, dense: list[Any], sample: Any) -> list[tuple[int, int]]:
     """Pairs (i, j) of ``dense`` layers where layer j's input is layer i's output, in the order of one traced call."""
     import tensorflow as tf
@@ -335,24 +374,20 @@ def plan_splits(model: Any, tensor: int, sample: Any = None) -> TensorPlan:
             chosen[id(layer)] = ("heads", split)
             claimed.add(id(layer))
 
-    dense = [
-        layer
-        for layer in layers
-        if type(layer) is keras.layers.Dense and id(layer) not in claimed and _plain(layer) and layer.built
-    ]
+    dense = [layer for layer in layers if id(layer) not in claimed and _dense_like(layer)]
     rows: set[int] = set()
     columns: set[int] = set()
     if len(dense) > 1:
         for i, j in _dense_edges(model, dense, sample):
             a, b = dense[i], dense[j]
-            if id(a) in rows or id(a) in columns or id(b) in rows or id(b) in columns or a.units < tensor:
+            if id(a) in rows or id(a) in columns or id(b) in rows or id(b) in columns or _units(a) < tensor:
                 continue
             columns.add(id(a))
             rows.add(id(b))
     for layer in dense:
         if id(layer) in rows:
             chosen[id(layer)] = ("rows", [(layer.kernel, 0)])
-        elif layer.units >= tensor:
+        elif _units(layer) >= tensor:
             chosen[id(layer)] = ("columns", [(layer.kernel, 1)] + ([(layer.bias, 0)] if layer.bias is not None else []))
 
     for layer in layers:
@@ -389,8 +424,8 @@ def _why_whole(layer: Any, tensor: int) -> str:
     kind = type(layer).__name__
     if not _plain(layer):
         return f"{kind} with LoRA or quantization"
-    if isinstance(layer, keras.layers.Dense):
-        return f"{kind} with {layer.units} unit(s), fewer than tensor_parallel={tensor}"
+    if _dense_like(layer):
+        return f"{kind} with {_units(layer)} unit(s), fewer than tensor_parallel={tensor}"
     if isinstance(layer, keras.layers.Embedding):
         return f"{kind} with {layer.input_dim} row(s), fewer than tensor_parallel={tensor}"
     return f"{kind}: no split for this kind of layer"
@@ -514,7 +549,7 @@ class SplitLayers:
             pieces = []
             for k, device in enumerate(self.devices(layer)):
                 with tf.device(device):
-                    y = keras.ops.matmul(inputs, kernel[k].value)
+                    y = _product(layer, inputs, kernel[k].value)
                     if bias is not None:
                         y = keras.ops.add(y, bias[k].value)
                     pieces.append(layer.activation(y) if layer.activation is not None else y)
@@ -536,7 +571,7 @@ class SplitLayers:
             partial = []
             for k, device in enumerate(self.devices(layer)):
                 with tf.device(device):
-                    partial.append(keras.ops.matmul(pieces[k], kernel[k].value))
+                    partial.append(_product(layer, pieces[k], kernel[k].value))
             y = tf.add_n(partial)  # the one reduction
             if layer.bias is not None:
                 y = keras.ops.add(y, layer.bias.value)
