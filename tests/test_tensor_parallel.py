@@ -10,7 +10,7 @@ from test_model_parallel import gpt2 as model_parallel_gpt2
 
 from paraml import Parallel, estimate_memory
 from paraml.memory import variable_bytes_by_device
-from paraml.tensor_parallel import plan_splits
+from paraml.tensor_parallel import plan_splits, trained_variables
 
 
 def gpt2():
@@ -204,3 +204,15 @@ def test_the_estimate_per_device_is_what_the_first_device_holds():
     assert estimate.parameters == held["parameters"] < 0.6 * whole.parameters
     assert abs(estimate.optimizer_slots - held["optimizer"]) <= 16  # the step counter and learning rate
     assert "tensor-parallel" in estimate.note
+
+
+def test_gradient_accumulation_keeps_each_parts_sums_on_its_device():
+    def adam():
+        return keras.optimizers.Adam(0.01, gradient_accumulation_steps=2)
+
+    reference, want = trained("single", mlp, mlp_data(), logits_loss(), optimizer=adam())
+    par, got = trained("model_parallel", mlp, mlp_data(), logits_loss(), optimizer=adam(), devices=2, tensor_parallel=2)
+    assert_same_training(par, reference, got, want, mlp_data()[0])
+    accumulated = [a.device for a in par._trainer.step.accumulators]
+    assert accumulated == [v.value.device for v in trained_variables(par.model)]  # each part's on the part's device
+    assert len(set(accumulated)) == 2

@@ -86,16 +86,20 @@ class ReplicaStep:
         self.updates_done = 0  # training steps run, for the accumulation pattern
         self.accumulators: list[tf.Variable] | None = None
         if accumulation_steps:
+            self.accumulators = []
             with backend.scope():
-                self.accumulators = [
-                    tf.Variable(
-                        tf.zeros(v.shape, v.dtype),
-                        trainable=False,
-                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,  # the same on every replica
-                        name="accumulated_" + v.name,
-                    )
-                    for v in trained_variables(model)
-                ]
+                strategy = tf.distribute.get_strategy()
+                for v in trained_variables(model):
+                    # Beside its variable (a stage's, a part's), as the optimizer's slots are.
+                    with strategy.extended.colocate_vars_with(v.value):
+                        self.accumulators.append(
+                            tf.Variable(
+                                tf.zeros(v.shape, v.dtype),
+                                trainable=False,
+                                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,  # the same on every replica
+                                name="accumulated_" + v.name,
+                            )
+                        )
         self.jit_compile = jit_compile
         self._colocate = backend.capabilities.colocates_gradients
         self._xla_gradients = tf.function(self._replica_gradients, jit_compile=True)
