@@ -7,19 +7,30 @@ feed-forward 4x, vocabulary ``--vocab``, sequence 128). Megatron-LM's layout nee
 of the block's two inputs that fan out to both devices); the benchmark counts, in the graph of one traced training
 step, the additions whose inputs come from more than one device, by block and by direction.
 
+The LM head's logits (``--vocab`` wide) are what a split saves most on: with Keras' cross-entropy object
+(``SparseCategoricalCrossentropy(from_logits=True)``) paraml computes the loss on each device's slice of the logits
+and never joins them; a loss function that calls ``keras.losses.sparse_categorical_crossentropy`` itself joins them
+first. ``--logits`` measures both, one fresh process each: each device's allocator peak of one training step
+(``get_memory_info(device)["peak"]``, reset after a first step). On GPUs each device has its own allocator, and the
+first device's peak is where the joined logits (and their gradient) would sit. On logical CPUs every device reports
+the one allocator they share: the total bytes of both variants are about the same (the slices add up to the whole),
+so the figures there only say that splitting the loss costs no extra memory in all.
+
 Timing is :mod:`paraml.benchmark`'s: both variants built and warmed up in this process, windows interleaved, the
 ratio the median of per-round step-time ratios. The devices are 2 GPUs when the machine has them, else 2 logical
 CPUs; on logical CPUs both share this machine's cores, so the ratio says what splitting costs here (two half-size
 matrix products instead of one, the copies between devices), not what two GPUs would gain.
 
-    .venv/bin/python benchmarks/bench_tensor_parallel.py [--windows 5] [--steps 10] [--json PATH]
+    .venv/bin/python benchmarks/bench_tensor_parallel.py [--windows 5] [--steps 10] [--logits] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
+import subprocess
 import sys
 from collections import Counter
 
@@ -80,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=positive, default=256, help="hidden size (default 256)")
     parser.add_argument("--vocab", type=positive, default=8192, help="vocabulary (default 8192)")
     parser.add_argument("--batch-size", type=positive, default=16, help="global batch (default 16)")
+    parser.add_argument("--logits", action="store_true", help="also the step's peak, logits joined vs in slices")
+    parser.add_argument("--one", choices=("joined", "slices"), help=argparse.SUPPRESS)  # a --logits child process
     parser.add_argument("--json", metavar="PATH", help="also write the JSON record to PATH")
     args = parser.parse_args(argv)
 
@@ -125,6 +138,21 @@ def main(argv: list[str] | None = None) -> int:
     x = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
     y = np.roll(ids, -1, axis=1)
 
+    if args.one:  # one configuration in this fresh process: the allocator's peak of one training step
+        import tensorflow as tf
+
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True) if args.one == "slices" else token_loss
+        par = Parallel("model_parallel", devices=2, tensor_parallel=2, seed=0)
+        par.build(model_fn, optimizer="sgd", loss=loss)
+        one = {k: v[: args.batch_size] for k, v in x.items()}, y[: args.batch_size]
+        par.fit(*one, batch_size=args.batch_size, epochs=1, verbose=0)
+        devices = [d.split("device:")[-1] for d in par.devices]
+        for device in devices:
+            tf.config.experimental.reset_memory_stats(device)
+        par.fit(*one, batch_size=args.batch_size, epochs=1, verbose=0)
+        print(json.dumps({d: tf.config.experimental.get_memory_info(d)["peak"] for d in devices}))
+        return 0
+
     par = Parallel("model_parallel", devices=2, tensor_parallel=2, seed=0)
     par.build(model_fn, optimizer="sgd", loss=token_loss)
     batch = {k: v[: args.batch_size] for k, v in x.items()}
@@ -159,12 +187,24 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print(f"step time tensor_parallel=2 / single: {ratio:.2f}")
+    peaks = {}
+    if args.logits:
+        for kind in ("joined", "slices"):
+            command = [sys.executable, __file__, "--one", kind, "--batch-size", str(args.batch_size)]
+            command += ["--layers", str(args.layers), "--hidden", str(args.hidden), "--vocab", str(args.vocab)]
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            peaks[kind] = json.loads(done.stdout.strip().splitlines()[-1])
+        logits = args.batch_size * sequence * args.vocab * 4
+        print(f"one training step's allocator peak per device (one batch of logits: {logits / 2**20:.1f} MiB):")
+        rows = [[d, f"{peaks['joined'][d] / 2**20:.1f}", f"{peaks['slices'][d] / 2**20:.1f}"] for d in peaks["joined"]]
+        print(format_table(rows, ["device", "logits joined, MiB", "logits in slices, MiB"]))
     record = {
         "environment": environment(),
         "reductions": {k: dict(v) for k, v in reductions.items()},
         "parameter_bytes": {d: b["parameters"] for d, b in memory.items()},
         "results": [r.__dict__ for r in results],
         "ratios": {"tp2_step_time_vs_single": ratio},
+        "logits_peak_bytes": peaks,
     }
     write_json(record, args.json, echo=False)
     return 0

@@ -4,13 +4,14 @@ devices (Megatron-LM's column/row, heads and vocabulary splits), the model's fac
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from conftest import logits_loss
 from test_model_parallel import bert, bert_data, token_data, token_loss
 from test_model_parallel import gpt2 as model_parallel_gpt2
 
 from paraml import Parallel, estimate_memory
 from paraml.memory import variable_bytes_by_device
-from paraml.tensor_parallel import plan_splits, trained_variables
+from paraml.tensor_parallel import plan_splits, sparse_categorical_crossentropy, trained_variables
 
 
 def gpt2():
@@ -216,3 +217,37 @@ def test_gradient_accumulation_keeps_each_parts_sums_on_its_device():
     accumulated = [a.device for a in par._trainer.step.accumulators]
     assert accumulated == [v.value.device for v in trained_variables(par.model)]  # each part's on the part's device
     assert len(set(accumulated)) == 2
+
+
+def test_the_cross_entropy_of_split_logits_is_computed_on_the_slices():
+    cross_entropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference, want = trained("single", gpt2, token_data(), cross_entropy)
+    par, got = trained("model_parallel", gpt2, token_data(), cross_entropy, devices=2, tensor_parallel=2)
+    assert par.model.loss.fn is sparse_categorical_crossentropy  # Keras' loss object, computed on the slices
+    assert_same_training(par, reference, got, want, token_data()[0])
+
+    x, y = (tf.nest.map_structure(lambda a: a[:8], part) for part in token_data())
+    model, variables = par.model, trained_variables(par.model)
+
+    def consumed_logits(loss_fn):
+        """Tensors of the whole logits' shape that an op of one traced training step reads."""
+
+        @tf.function
+        def step(x, y):
+            loss = tf.reduce_mean(loss_fn(y, model(x, training=True), from_logits=True))
+            return tf.gradients(loss, variables)
+
+        graph = step.get_concrete_function(x, y).graph
+        whole = [t for op in graph.get_operations() for t in op.outputs if t.shape.as_list() == [8, 16, 100]]
+        assert whole  # the joined logits exist in the graph (for a consumer that needs them whole)...
+        return [t.name for t in whole if t.consumers()]
+
+    assert consumed_logits(sparse_categorical_crossentropy) == []  # ...and nothing reads them: never computed
+    assert consumed_logits(keras.losses.sparse_categorical_crossentropy) != []  # Keras' own joins them
+
+    logits = np.random.default_rng(0).normal(size=(4, 5)).astype("float32")  # not split: Keras' own numbers
+    labels = np.array([0, 4, 2, 1])
+    np.testing.assert_allclose(
+        sparse_categorical_crossentropy(labels, logits, from_logits=True),
+        keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True),
+    )

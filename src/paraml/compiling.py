@@ -20,7 +20,7 @@ import tensorflow as tf
 from .backends.base import Backend
 from .checks import did_you_mean
 from .optimizers import fresh_optimizer
-from .tensor_parallel import tag_slots, trained_variables
+from .tensor_parallel import is_split, split_logits_loss, tag_slots, trained_variables
 from .units import nested_layers
 from .zero import sharded_optimizer
 
@@ -166,8 +166,11 @@ def _compile_keras(backend: Backend, model: keras.Model, compile_args: dict[str,
             )
         tag_slots(optimizer)  # a split variable's parts' slots are saved joined
         optimizer.build(trained_variables(model))
+    loss = compile_args.get("loss")
+    if is_split(model):  # a cross-entropy on split logits (a tensor_parallel LM head) is computed on the slices
+        loss = split_logits_loss(loss)
     with backend.metrics_scope():
-        model.compile(**{**compile_args, "optimizer": optimizer})
+        model.compile(**{**compile_args, "optimizer": optimizer, "loss": loss})
     return accumulation
 
 

@@ -18,8 +18,10 @@ devices, each device holding and computing its slice:
 
 Layers with weights that fit none of these (normalisations, convolutions, position embeddings) stay whole on the
 stage's first device. A split layer's slices of the output are joined (concatenated) where a consumer needs the
-whole tensor; a rows-split layer takes its partner's slices without joining them (:class:`SplitLayers` keeps the
-slices of each joined tensor for that).
+whole tensor; a rows-split layer takes its partner's slices without joining them, and so does the cross-entropy of
+split logits (:func:`sparse_categorical_crossentropy`, put into Keras' ``SparseCategoricalCrossentropy`` by
+:func:`split_logits_loss`): :func:`slices_of` finds the slices of a joined tensor, and a join nothing reads is never
+computed.
 
 **The model's public face stays whole.** A split variable is a Keras variable whose value is a
 :class:`WholeVariable`: a view over the parts (plain TensorFlow variables on their devices) that reads as their
@@ -45,7 +47,11 @@ __all__ = [
     "WholeVariable",
     "part_sizes",
     "plan_splits",
+    "is_split",
     "saved_state",
+    "slices_of",
+    "sparse_categorical_crossentropy",
+    "split_logits_loss",
     "tag_slots",
     "trained_variables",
 ]
@@ -497,7 +503,6 @@ class SplitLayers:
         self.plan = plan
         self.devices = devices
         self._shard: int | None = None  # the part being traced inside a heads-split attention layer
-        self._slices: dict[int, tuple[Any, list[Any], int]] = {}  # id(joined tensor) -> (it, its slices, axis)
 
     def attach(self, model: Any) -> None:
         """Give each split variable of ``model`` its parts as Keras variables, and wrap the split layers' calls."""
@@ -518,23 +523,15 @@ class SplitLayers:
             elif kind == "vocab":
                 self._vocab(layer, isinstance(layer, keras.layers.Embedding) and hasattr(layer, "tie_weights"))
 
-    # slices of a joined output, kept so that a rows-split consumer takes them without the join
     def _joined(self, pieces: list[Any], axis: int) -> Any:
-        import tensorflow as tf
-
-        whole = tf.concat(pieces, axis=axis)
-        if len(self._slices) > 4096:  # graphs traced long ago: the entries only ever save a split
-            self._slices.clear()
-        self._slices[id(whole)] = (whole, pieces, axis)
-        return whole
+        return _joined(pieces, axis)
 
     def _split(self, x: Any, sizes: list[int], axis: int) -> list[Any]:
         import tensorflow as tf
 
-        entry = self._slices.get(id(x))
-        if entry is not None and entry[0] is x and entry[2] % len(x.shape) == axis % len(x.shape):
-            if [int(p.shape[axis]) for p in entry[1]] == sizes:
-                return entry[1]
+        pieces = slices_of(x, axis)
+        if pieces is not None and [int(p.shape[axis]) for p in pieces] == sizes:
+            return pieces
         return tf.split(x, sizes, axis=axis)
 
     def _columns(self, layer: Any) -> None:
@@ -699,6 +696,107 @@ class SplitLayers:
             return logits(inputs) if reversible and reverse else lookup(inputs)
 
         layer.call = call
+
+
+#: id(joined tensor) -> (it, its slices, the axis): a split layer's output joined for the consumers that need it
+#: whole, kept so that a rows-split layer or the cross-entropy takes the slices without the join (TensorFlow then
+#: never computes the join: nothing reads it).
+_SLICES: dict[int, tuple[Any, list[Any], int]] = {}
+
+
+def _joined(pieces: list[Any], axis: int) -> Any:
+    import tensorflow as tf
+
+    whole = tf.concat(pieces, axis=axis)
+    if len(_SLICES) > 4096:  # graphs traced long ago: an entry only ever spares a join
+        _SLICES.clear()
+    _SLICES[id(whole)] = (whole, pieces, axis)
+    return whole
+
+
+def slices_of(x: Any, axis: int = -1) -> list[Any] | None:
+    """The slices a split layer joined along ``axis`` into ``x`` (or into the tensor ``x`` is a cast of: a loss casts
+    its input), each on its device; None for any other tensor."""
+    import tensorflow as tf
+
+    entry = _SLICES.get(id(x))
+    rank = getattr(getattr(x, "shape", None), "rank", None)
+    if entry is not None and entry[0] is x and rank and entry[2] % rank == axis % rank:
+        return entry[1]
+    op = getattr(x, "op", None)
+    if op is not None and op.type == "Cast" and not tf.executing_eagerly():
+        inner = slices_of(op.inputs[0], axis)
+        if inner is not None:
+            cast = []
+            for piece in inner:
+                with tf.device(piece.device):
+                    cast.append(tf.cast(piece, x.dtype))
+            return cast
+    return None
+
+
+def sparse_categorical_crossentropy(
+    y_true: Any, y_pred: Any, from_logits: bool = False, ignore_class: int | None = None, axis: int = -1
+) -> Any:
+    """Keras' ``sparse_categorical_crossentropy``; on logits a split layer left in slices along the class axis (the
+    tied LM head or a columns-split last ``Dense`` under ``tensor_parallel``), computed on the slices
+    (vocabulary-parallel, as Megatron-LM does): each device takes the maximum, the sum of exponentials and the target
+    logit of its slice, and only those (one value per token) are combined. Neither the whole logits nor their gradient
+    is made on one device. Elsewhere (other tensors, probabilities, ``ignore_class``) it is Keras' own.
+
+    :func:`split_logits_loss` puts it into a ``keras.losses.SparseCategoricalCrossentropy``; a loss function of one's
+    own can call it in place of Keras'.
+    """
+    import keras
+    import tensorflow as tf
+
+    pieces = slices_of(y_pred, axis) if from_logits and ignore_class is None else None
+    if pieces is None or tf.executing_eagerly():
+        return keras.losses.sparse_categorical_crossentropy(
+            y_true, y_pred, from_logits=from_logits, ignore_class=ignore_class, axis=axis
+        )
+    labels = tf.convert_to_tensor(y_true)
+    if labels.shape.rank == y_pred.shape.rank and labels.shape[-1] == 1:
+        labels = tf.squeeze(labels, -1)
+    labels = tf.cast(labels, "int32")
+    highest, sums, targets = [], [], []
+    for piece in pieces:
+        with tf.device(piece.device):
+            highest.append(tf.reduce_max(tf.stop_gradient(piece), axis=-1))
+    shift = tf.reduce_max(tf.stack(highest), axis=0)  # one value per token; the loss does not depend on it
+    start = 0
+    for piece in pieces:
+        size = int(piece.shape[-1])
+        with tf.device(piece.device):
+            sums.append(tf.reduce_sum(tf.exp(piece - shift[..., None]), axis=-1))
+            local = labels - start
+            inside = tf.logical_and(local >= 0, local < size)
+            picked = tf.gather(piece, tf.where(inside, local, 0), axis=-1, batch_dims=labels.shape.rank)
+            targets.append(tf.where(inside, picked, tf.zeros_like(picked)))
+        start += size
+    return tf.math.log(tf.add_n(sums)) + shift - tf.add_n(targets)
+
+
+def split_logits_loss(loss: Any) -> Any:
+    """``loss`` with its cross-entropy computed on split logits (:func:`sparse_categorical_crossentropy`) when it is a
+    ``keras.losses.SparseCategoricalCrossentropy`` on logits (a copy; its configuration, and so a saved model's, is
+    Keras' own); any other loss as it is. A structure of losses (one per output) is mapped."""
+    import keras
+
+    if isinstance(loss, (list, tuple)):
+        return type(loss)(split_logits_loss(item) for item in loss)
+    if isinstance(loss, dict):
+        return {key: split_logits_loss(item) for key, item in loss.items()}
+    if type(loss) is keras.losses.SparseCategoricalCrossentropy and loss.from_logits and loss.ignore_class is None:
+        copy = keras.losses.SparseCategoricalCrossentropy.from_config(loss.get_config())
+        copy.fn = sparse_categorical_crossentropy
+        return copy
+    return loss
+
+
+def is_split(model: Any) -> bool:
+    """Whether some weight of ``model`` is split over devices (``tensor_parallel``)."""
+    return any(hasattr(v, _PARTS) for v in model.weights)
 
 
 def _parts(variable: Any) -> list[Any] | None:
