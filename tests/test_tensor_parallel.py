@@ -2,6 +2,7 @@
 devices (Megatron-LM's column/row, heads and vocabulary splits), the model's face whole."""
 
 import keras
+import keras_hub
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -79,6 +80,30 @@ def test_tensor_parallel_over_two_devices_trains_as_single(model_fn, data, loss)
     assert largest_share(par) <= 0.6  # embeddings included
     kinds = {s.kind for s in par.backend.tensor_plan.splits}
     assert kinds == ({"columns", "rows"} if model_fn is mlp else {"columns", "rows", "heads", "vocab"})
+
+
+def llama():
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=100,
+        num_layers=2,
+        num_query_heads=4,
+        num_key_value_heads=2,  # grouped-query attention: 2 query heads per key/value head
+        hidden_dim=32,
+        intermediate_dim=64,
+        dropout=0.0,
+    )
+    return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+
+
+def test_llama_with_grouped_query_attention_trains_as_single():
+    cross_entropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference, want = trained("single", llama, token_data(), cross_entropy)
+    par, got = trained("model_parallel", llama, token_data(), cross_entropy, devices=2, tensor_parallel=2)
+    assert_same_training(par, reference, got, want, token_data()[0])
+    kinds = {s.layer.split("/")[-1]: s.kind for s in par.backend.tensor_plan.splits}
+    assert kinds["self_attention"] == "heads" and kinds["token_embedding"] == "vocab"
+    assert kinds["feedforward_gate_dense"] == "columns"  # gate * up between the layers: joined, then split again
+    assert largest_share(par) <= 0.6
 
 
 def test_two_stages_of_two_tensor_shards_train_as_single():

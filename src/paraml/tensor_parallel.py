@@ -9,8 +9,9 @@ devices, each device holding and computing its slice:
 - **rows** (the ``Dense`` a columns-split one feeds): the kernel's input rows are split; each device multiplies the
   slice of the input its partner computed, and the partial products are added once (one reduction), then the bias
   and the activation. A column-then-row pair (a transformer's feed-forward block) exchanges nothing in between.
-- **heads** (``keras.layers.MultiHeadAttention`` and subclasses, as keras_hub's attention): query, key, value (and
-  gate) projections split by heads, the output projection by heads' rows; each device runs the attention of its
+- **heads** (``keras.layers.MultiHeadAttention`` and subclasses, as keras_hub's GPT-2 and BERT attention, and the
+  classes of :data:`ATTENTION_CLASSES`, as Llama's grouped-query attention): query, key, value (and gate)
+  projections split by heads, the output projection by heads' rows; each device runs the attention of its
   heads, and the partial outputs are added once, then the output bias.
 - **vocab** (``Embedding``, keras_hub's ``ReversibleEmbedding``): the table's rows split; each device looks up the
   ids in its range (zeros elsewhere) and the lookups are added once. A reversible embedding's reverse call (the tied
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "ATTENTION_CLASSES",
     "LayerSplit",
     "SplitLayers",
     "TensorPlan",
@@ -241,22 +243,44 @@ def _plain(layer: Any) -> bool:
     return not getattr(layer, "lora_enabled", False) and not getattr(layer, "quantization_mode", None)
 
 
-def _attention_projections(layer: Any) -> list[tuple[Any, int, str]] | None:
-    """A MultiHeadAttention's projections as (EinsumDense, kernel axis of the heads, 'in' or 'out'), or None when
-    their kernels are not laid out as Keras lays them out (heads on kernel axis 1 in, axis 0 out)."""
-    heads = getattr(layer, "_num_heads", None)
+#: Attention layers besides ``keras.layers.MultiHeadAttention`` (and its subclasses) whose call computes each head
+#: from its own slice of the projections, reading the number of heads from the tensors only (checked against the
+#: unsplit layer by tests/test_tensor_parallel.py).
+ATTENTION_CLASSES = ("keras_hub.src.models.llama.llama_attention.LlamaAttention",)
+
+
+def _is_attention(layer: Any) -> bool:
+    import keras
+
+    kind = type(layer)
+    return isinstance(layer, keras.layers.MultiHeadAttention) or f"{kind.__module__}.{kind.__qualname__}" in (
+        ATTENTION_CLASSES
+    )
+
+
+def _attention_projections(layer: Any, tensor: int) -> list[tuple[Any, int, str]] | None:
+    """An attention layer's projections as (EinsumDense, kernel axis of the heads, 'in' or 'out'), or None when
+    their kernels are not laid out as Keras lays them out (heads on kernel axis 1 in, axis 0 out) or their heads do
+    not split over ``tensor`` devices. Fewer key/value heads than query heads (grouped-query attention) need both
+    counts divisible by ``tensor``, so that each device's query heads have their key/value heads."""
     names = ["_query_dense", "_key_dense", "_value_dense"]
     names += ["_gate_dense"] if getattr(layer, "_use_gate", False) else []
     found = []
     for name in names:
         dense = getattr(layer, name, None)
-        if dense is None or not _plain(dense) or len(dense.kernel.shape) != 3 or dense.kernel.shape[1] != heads:
+        if dense is None or not _plain(dense) or len(dense.kernel.shape) != 3:
             return None
         found.append((dense, 1, "in"))
     out = getattr(layer, "_output_dense", None)
-    if out is None or not _plain(out) or len(out.kernel.shape) != 3 or out.kernel.shape[0] != heads:
+    if out is None or not _plain(out) or len(out.kernel.shape) != 3:
         return None
     found.append((out, 0, "out"))
+    heads = {int(dense.kernel.shape[axis]) for dense, axis, _ in found}
+    query = int(found[0][0].kernel.shape[1])
+    if min(heads) < tensor or int(out.kernel.shape[0]) != query:
+        return None
+    if len(heads) > 1 and any(h % tensor for h in heads):
+        return None
     return found
 
 
@@ -367,8 +391,8 @@ def plan_splits(model: Any, tensor: int, sample: Any = None) -> TensorPlan:
     chosen: dict[int, tuple[str, list[tuple[Any, int]]]] = {}  # id(layer) -> (kind, [(variable, axis)])
 
     for layer in layers:
-        if isinstance(layer, keras.layers.MultiHeadAttention) and getattr(layer, "_num_heads", 0) >= tensor:
-            projections = _attention_projections(layer)
+        if _is_attention(layer):
+            projections = _attention_projections(layer, tensor)
             if projections is None:
                 continue
             split = []
@@ -432,6 +456,13 @@ def _why_whole(layer: Any, tensor: int) -> str:
         return f"{kind} with LoRA or quantization"
     if _dense_like(layer):
         return f"{kind} with {_units(layer)} unit(s), fewer than tensor_parallel={tensor}"
+    if isinstance(layer, keras.layers.EinsumDense):
+        return (
+            f"EinsumDense {layer.equation!r}: split only when it computes as a Dense (...c,cd->...d) or as a "
+            "projection of a known attention layer"
+        )
+    if _is_attention(layer):
+        return f"{kind} whose heads do not split over {tensor} devices"
     if isinstance(layer, keras.layers.Embedding):
         return f"{kind} with {layer.input_dim} row(s), fewer than tensor_parallel={tensor}"
     return f"{kind}: no split for this kind of layer"
@@ -579,7 +610,7 @@ class SplitLayers:
     def _heads(self, layer: Any) -> None:
         import keras
 
-        projections = _attention_projections(layer)
+        projections = _attention_projections(layer, self.plan.tensor)
         assert projections is not None
         original = layer.call
         out = projections[-1][0]
