@@ -419,8 +419,9 @@ def _gradients_or_zeros(tape: tf.GradientTape, loss: tf.Tensor, variables: list[
     device: tensorflow-notes).
     """
     if colocate and not tf.executing_eagerly():
-        return [tf.zeros_like(v) if g is None else g for g, v in zip(tf.gradients(loss, variables), variables)]
-    grads = tape.gradient(loss, variables)
+        grads = tf.gradients(loss, variables)
+    else:
+        grads = tape.gradient(loss, variables)
     return [tf.zeros_like(v) if g is None else g for g, v in zip(grads, variables)]
 
 

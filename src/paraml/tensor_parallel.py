@@ -554,9 +554,6 @@ class SplitLayers:
             elif kind == "vocab":
                 self._vocab(layer, isinstance(layer, keras.layers.Embedding) and hasattr(layer, "tie_weights"))
 
-    def _joined(self, pieces: list[Any], axis: int) -> Any:
-        return _joined(pieces, axis)
-
     def _split(self, x: Any, sizes: list[int], axis: int) -> list[Any]:
         import tensorflow as tf
 
@@ -581,7 +578,7 @@ class SplitLayers:
                     if bias is not None:
                         y = keras.ops.add(y, bias[k].value)
                     pieces.append(layer.activation(y) if layer.activation is not None else y)
-            return self._joined(pieces, axis=-1)
+            return _joined(pieces, axis=-1)
 
         layer.call = call
 
@@ -675,7 +672,7 @@ class SplitLayers:
                 for k, device in enumerate(devices):
                     with tf.device(device):
                         pieces.append(one(inputs, k))
-                return self._joined(pieces, axis=heads_axis)
+                return _joined(pieces, axis=heads_axis)
             pieces = self._split(inputs, sizes, axis=heads_axis)
             partial = []
             for k, device in enumerate(devices):
@@ -720,7 +717,7 @@ class SplitLayers:
                     if layer.logit_soft_cap is not None:
                         y = keras.ops.multiply(keras.ops.tanh(y / layer.logit_soft_cap), layer.logit_soft_cap)
                     pieces.append(y)
-            return self._joined(pieces, axis=-1)
+            return _joined(pieces, axis=-1)
 
         def call(inputs: Any, *args: Any, **kwargs: Any) -> Any:
             reverse = kwargs.get("reverse", args[0] if args else False)
@@ -736,6 +733,7 @@ _SLICES: dict[int, tuple[Any, list[Any], int]] = {}
 
 
 def _joined(pieces: list[Any], axis: int) -> Any:
+    """A split layer's slices of its output joined along ``axis``, the slices kept for :func:`slices_of`."""
     import tensorflow as tf
 
     whole = tf.concat(pieces, axis=axis)
