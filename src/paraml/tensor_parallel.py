@@ -81,7 +81,7 @@ def part_sizes(size: int, parts: int) -> list[int]:
 
 
 class _Whole:
-    """Marker base: set to the TensorFlow trackable class when :func:`_whole_class` first runs."""
+    """The base :func:`WholeVariable`'s class (made on first use, with TensorFlow) carries, for ``isinstance``."""
 
 
 _WHOLE_CLASS: list[type] = []
@@ -426,14 +426,13 @@ def plan_splits(model: Any, tensor: int, sample: Any = None) -> TensorPlan:
             reverse = getattr(layer, "reverse_embeddings", None)
             if reverse is not None and not getattr(layer, "tie_weights", True):
                 split.append((reverse, 1))
-            chosen[id(layer)] = ("embedding", split)
+            chosen[id(layer)] = ("vocab", split)
             claimed.add(id(layer))
 
     for layer in layers:
         entry = chosen.get(id(layer))
         if entry is not None:
             kind, split = entry
-            kind = "vocab" if kind == "embedding" else kind
             plan.kinds[id(layer)] = kind
             plan.splits.append(LayerSplit(_path(model, layer), kind, tuple(tuple(v.shape) for v, _ in split)))
             plan.axes.update({id(v): axis for v, axis in split})
