@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from paraml.benchmark import format_table, int_at_least, run_process, write_json
+from paraml.bench.harness import format_table, int_at_least, run_process, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "scripts" / "restart_train.py"

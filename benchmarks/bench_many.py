@@ -4,7 +4,7 @@
 
 Intra-op parallelism is set to 1 thread first, so each logical CPU is closer to "one core per device"; the physical
 limit of the ratio is then the number of cores used, 2.0 here. The two variants are timed by
-:func:`paraml.benchmark.interleave` (one process, windows interleaved) after an untimed warm-up, and the ratio
+:func:`paraml.bench.harness.interleave` (one process, windows interleaved) after an untimed warm-up, and the ratio
 (sequential seconds / concurrent seconds) is the median of per-window ratios. Both variants include building each
 model and tracing its ``tf.function`` s, as a real sweep would.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-from paraml.benchmark import int_at_least  # noqa: E402  (imports no TensorFlow)
+from paraml.bench.harness import int_at_least  # noqa: E402  (imports no TensorFlow)
 
 
 def make_jobs(samples: int, width: int, epochs: int) -> list[Any]:
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     import paraml
 
     devices = paraml.simulate_devices(2)
-    from paraml.benchmark import environment, format_table, interleave, paired, progress_printer, write_json
+    from paraml.bench.harness import environment, format_table, interleave, paired, progress_printer, write_json
 
     jobs = make_jobs(args.samples, args.width, args.epochs)
 

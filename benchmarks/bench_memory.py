@@ -9,7 +9,7 @@ On CPU the allocator counts only allocations of 256 KiB or more, so each workloa
 that (an LSTM of 256 units at batch 256, not 64): the estimate counts every tensor, as a GPU's allocator would.
 
 Step times (``--time``) are measured in one process with the variants interleaved
-(:func:`paraml.benchmark.interleave`) and reported as the median of per-window ratios.
+(:func:`paraml.bench.harness.interleave`) and reported as the median of per-window ratios.
 
 Pipelines (``--pipelines``): the MLP at batch 16384 under ``model_parallel`` on 2 simulated devices with 8 and 16
 micro-batches, ``schedule="gpipe"`` vs ``"1f1b"``: the peak of each (fresh process), and 1F1B's step time over
@@ -141,7 +141,7 @@ def measured(*arguments: str) -> dict[str, float]:
 def step_time_ratio(variants: dict[str, tuple[bool, tuple[str, int] | None]], windows: int) -> float:
     """The second variant's step time over the first's (``label: (model, remat, pipeline)``), variants interleaved
     in this process."""
-    from paraml.benchmark import interleave, paired
+    from paraml.bench.harness import interleave, paired
 
     fits = {}
     for label, (model, remat, pipeline) in variants.items():
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(one("mlp", False, (args.one_pipeline[0], int(args.one_pipeline[1])))))
         return 0
     from paraml import estimate_memory, simulate_devices
-    from paraml.benchmark import environment, format_table, write_json
+    from paraml.bench.harness import environment, format_table, write_json
 
     if args.pipelines:
         simulate_devices(2)  # before TensorFlow starts: the pipelines' step times are measured in this process

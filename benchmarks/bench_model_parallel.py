@@ -1,7 +1,8 @@
 """What ``Parallel("model_parallel")`` costs and what it buys, as ratios measured in one process.
 
 The model is 12 identical ``Dense(512)`` layers on a 512-wide input (ReLU except the last, which gives 512 logits),
-trained with Adam at the global batch of :data:`paraml.benchmark.GLOBAL_BATCH`. Identical layers make balanced stages
+trained with Adam at the global batch of :data:`paraml.bench.harness.GLOBAL_BATCH`. Identical layers make balanced
+stages
 possible, so the numbers below measure paraml, not a lopsided model. A keras_hub ``GPT2CausalLM`` (random init, a
 small config built from its classes, no download) is timed next to it: the staging cost on a real transformer, run by
 its own ``call`` with each unit under its stage's device. Three questions:
@@ -20,7 +21,8 @@ its own ``call`` with each unit under its stage's device. Three questions:
    (:func:`paraml.memory.variable_bytes_by_device` of the model's weights and Adam's variables), against a perfect
    1/K split of the same total, for K = 2 and 4 (target: <= 1.10), with the stage plan (``par.describe()``).
 
-Timing is :mod:`paraml.benchmark`'s: every variant in this one process, windows interleaved, each one ``fit`` call of
+Timing is :mod:`paraml.bench.harness`'s: every variant in this one process, windows interleaved, each one ``fit`` call
+of
 ``--steps`` + 1 batches timed from the end of its first batch to its last; ratios both as the ratio of medians and as
 the median of per-round ratios. The process CPU time over the same steps is reported too: CPU/wall is how many cores
 the variant kept busy.
@@ -41,7 +43,7 @@ from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-from paraml.benchmark import int_at_least  # noqa: E402  (imports no TensorFlow)
+from paraml.bench.harness import int_at_least  # noqa: E402  (imports no TensorFlow)
 
 #: Pipeline stages timed (questions 1 and 2) and stage counts whose memory split is measured (question 3).
 TIMED_STAGES = 2
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     import keras
     import numpy as np
 
-    from paraml.benchmark import (
+    from paraml.bench.harness import (
         GLOBAL_BATCH,
         Spec,
         Workload,
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json,
     )
     from paraml.memory import variable_bytes_by_device
-    from paraml.sizes import format_bytes
+    from paraml.planning.sizes import format_bytes
 
     width, depth = args.width, args.layers
     micro_batches = [int(m) for m in args.micro_batches.split(",") if m.strip()]

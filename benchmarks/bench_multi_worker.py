@@ -5,7 +5,8 @@ Both train the same model on the same global batch with paraml's fit, in paraml'
 multi_worker`` (two processes, TF_CONFIG on loopback, gradients all-reduced by TensorFlow's collective ops over gRPC);
 ``mirrored`` runs the same worker as one process with 2 logical CPUs (all-reduce inside the process). Each run is a
 fresh process (a process can hold only one device layout) that times several fit-call windows after a warm-up; the
-runs are interleaved (A B, B A, ...) by :func:`paraml.benchmark.interleave` and the ratio is taken of the medians and
+runs are interleaved (A B, B A, ...) by :func:`paraml.bench.harness.interleave` and the ratio is taken of the medians
+and
 as the median of per-round ratios.
 
 On one machine the two workers share the same 2 cores, so this measures the cost of the gRPC collective path
@@ -22,12 +23,12 @@ import statistics
 import sys
 from typing import Any
 
-from paraml.bench import MARKER, WORKER
-from paraml.benchmark import PRESETS, int_at_least, interleave, marked_results, paired, run_process, write_json
+from paraml.bench.command import MARKER, WORKER
+from paraml.bench.harness import PRESETS, int_at_least, interleave, marked_results, paired, run_process, write_json
 
 
 def run(command: list[str], timeout: float, verbose: bool) -> dict[str, Any]:
-    """Run ``command``; return the chief's result (a :class:`paraml.benchmark.BenchResult` as a dict)."""
+    """Run ``command``; return the chief's result (a :class:`paraml.bench.harness.BenchResult` as a dict)."""
     done = run_process(command, timeout)
     if verbose:
         print(done.stdout, done.stderr, sep="\n")

@@ -9,7 +9,7 @@ numpy arrays, global batch 256, no shuffling, one ``fit`` call of ``--steps`` st
   keras-fit-mirrored@N       ``model.fit`` with the model compiled under ``MirroredStrategy`` on the same devices
 
 Each window gives the whole ``fit`` call per step (wall and process CPU time: what an epoch costs), the steady-state
-step and the fixed cost of a call; ratios are medians of per-window ratios. Timing is :mod:`paraml.benchmark`'s
+step and the fixed cost of a call; ratios are medians of per-window ratios. Timing is :mod:`paraml.bench.harness`'s
 (variants interleaved in one process); everything goes through the public API.
 
 What paraml's loop costs piece by piece (prototypes with one cost removed, the fixed cost of a call split into its
@@ -27,7 +27,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-from paraml.benchmark import GLOBAL_BATCH, PRESETS, int_at_least  # noqa: E402  (imports no TensorFlow)
+from paraml.bench.harness import GLOBAL_BATCH, PRESETS, int_at_least  # noqa: E402  (imports no TensorFlow)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,8 +50,16 @@ def main(argv: list[str] | None = None) -> int:
 
     paraml.simulate_devices(args.devices)  # first: before anything initialises TensorFlow's devices
 
-    from paraml.bench import compute_ratios, versus_keras_specs
-    from paraml.benchmark import Workload, environment, format_table, measure, progress_printer, random_data, write_json
+    from paraml.bench.command import compute_ratios, versus_keras_specs
+    from paraml.bench.harness import (
+        Workload,
+        environment,
+        format_table,
+        measure,
+        progress_printer,
+        random_data,
+        write_json,
+    )
 
     model_fn, shape, kind = PRESETS[args.model]
     x, y = random_data(shape, kind, args.steps * args.batch_size)

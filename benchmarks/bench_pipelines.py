@@ -3,7 +3,7 @@ on 4 devices, as throughput ratios measured in one process.
 
 The model is a stack of identical ``Dense`` layers (balanced stages), trained with SGD at one global batch. Every
 variant gets the same devices and the same global batch; the pipelines use ``micro_batches`` = their stage count
-(each stage has work in flight). Timing is :mod:`paraml.benchmark`'s: every variant built and warmed up in this
+(each stage has work in flight). Timing is :mod:`paraml.bench.harness`'s: every variant built and warmed up in this
 process, windows interleaved, step times from the end of each fit call's first batch to its last; the ratios are
 medians of per-round ratios.
 
@@ -24,7 +24,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-from paraml.benchmark import int_at_least  # noqa: E402  (imports no TensorFlow)
+from paraml.bench.harness import int_at_least  # noqa: E402  (imports no TensorFlow)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     import keras
     import numpy as np
 
-    from paraml.benchmark import (
+    from paraml.bench.harness import (
         Spec,
         Workload,
         environment,

@@ -16,7 +16,7 @@ first device's peak is where the joined logits (and their gradient) would sit. O
 the one allocator they share: the total bytes of both variants are about the same (the slices add up to the whole),
 so the figures there only say that splitting the loss costs no extra memory in all.
 
-Timing is :mod:`paraml.benchmark`'s: both variants built and warmed up in this process, windows interleaved, the
+Timing is :mod:`paraml.bench.harness`'s: both variants built and warmed up in this process, windows interleaved, the
 ratio the median of per-round step-time ratios. The devices are 2 GPUs when the machine has them, else 2 logical
 CPUs; on logical CPUs both share this machine's cores, so the ratio says what splitting costs here (two half-size
 matrix products instead of one, the copies between devices), not what two GPUs would gain.
@@ -36,7 +36,7 @@ from collections import Counter
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-from paraml.benchmark import int_at_least  # noqa: E402  (imports no TensorFlow)
+from paraml.bench.harness import int_at_least  # noqa: E402  (imports no TensorFlow)
 
 
 def count_reductions(par: object, x: object, y: object, loss: object) -> dict[str, Counter]:
@@ -45,7 +45,7 @@ def count_reductions(par: object, x: object, y: object, loss: object) -> dict[st
     ``backward`` for the gradient's ops."""
     import tensorflow as tf
 
-    from paraml.tensor_parallel import trained_variables
+    from paraml.parallelism.tensor_parallel import trained_variables
 
     model = par.model  # type: ignore[attr-defined]
     variables = trained_variables(model)
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from paraml import Parallel
-    from paraml.benchmark import (
+    from paraml.bench.harness import (
         Spec,
         Workload,
         environment,

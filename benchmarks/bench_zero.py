@@ -4,7 +4,7 @@ memory peak under ``multi_worker``, against unsharded.
 A model whose state dominates (six Dense layers of 1024, Adam). ``mirrored`` on N = 2 and 4 devices (GPUs when the
 machine has 4, else logical CPUs): bytes per device read from where the variables live
 (:meth:`paraml.Parallel.memory_by_device`); step times measured in one process with the sharded and unsharded
-variants interleaved (:func:`paraml.benchmark.interleave`), reported as the median of per-window ratios (sharded /
+variants interleaved (:func:`paraml.bench.harness.interleave`), reported as the median of per-window ratios (sharded /
 unsharded). On logical CPUs all devices share one allocator and two
 cores, so the time ratio is the overhead of the owner's update and its broadcast, not a GPU's.
 
@@ -77,8 +77,8 @@ def worker(shard: bool) -> None:
 
 def per_worker_peaks(workers: int) -> tuple[list[list[str]], dict[str, object]]:
     """Each worker's peak, unsharded and sharded, from two ``paraml launch`` runs (one per variant)."""
-    from paraml.benchmark import marked_results, run_process
-    from paraml.sizes import format_bytes
+    from paraml.bench.harness import marked_results, run_process
+    from paraml.planning.sizes import format_bytes
 
     found = {}
     for shard in (False, True):
@@ -110,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     from paraml import Parallel, ensure_devices
 
     ensure_devices(4)  # 4 GPUs when the machine has them, else 4 logical CPUs
-    from paraml.benchmark import environment, format_table, interleave, paired, write_json
-    from paraml.sizes import format_bytes
+    from paraml.bench.harness import environment, format_table, interleave, paired, write_json
+    from paraml.planning.sizes import format_bytes
 
     x, y = data()
     record: dict[str, object] = {"environment": environment(), "devices": {}}

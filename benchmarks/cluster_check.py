@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from paraml.benchmark import Completed, format_table, int_at_least, run_process
-from paraml.launch import find_free_ports
+from paraml.bench.harness import Completed, format_table, int_at_least, run_process
+from paraml.cluster.launch import find_free_ports
 
 WORKER = """
 import os, sys
@@ -35,7 +35,7 @@ import numpy as np
 from paraml import Parallel, load_digits
 from paraml.demo import digits_model
 
-from paraml.schedulers import detect_cluster
+from paraml.cluster.detect import detect_cluster
 
 print(f"read {detect_cluster().scheduler}", flush=True)  # which source the worker is about to read
 par = Parallel("multi_worker", seed=0)  # reads TF_CONFIG, or the scheduler's variables

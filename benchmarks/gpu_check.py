@@ -12,7 +12,7 @@ logical CPUs (which share the cores: data-parallel numbers there show overheads,
   keras-fit-mirrored@N       Keras ``fit`` with the model compiled under the same ``MirroredStrategy``
 
 Same model, optimizer (SGD), loss and numpy data (global batch 256) everywhere. Each timed window is one ``fit`` call
-of ``steps + 1`` batches per variant, timed by :mod:`paraml.benchmark` (windows interleaved in one process, ratios
+of ``steps + 1`` batches per variant, timed by :mod:`paraml.bench.harness` (windows interleaved in one process, ratios
 the medians of per-window ratios: the steady-state step and the whole call). A row TensorFlow refuses here (e.g. XLA
 on a device without it) is reported and left out. It prints a table, the ratios, and one JSON line (``JSON {...}``),
 also written to ``--json``.
@@ -26,7 +26,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-from paraml.benchmark import GLOBAL_BATCH, PRESETS, int_at_least  # noqa: E402  (imports no TensorFlow)
+from paraml.bench.harness import GLOBAL_BATCH, PRESETS, int_at_least  # noqa: E402  (imports no TensorFlow)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if not gpus:
         paraml.simulate_devices(2)  # before anything initialises TensorFlow's devices
-    from paraml.bench import compute_ratios, format_ratios, versus_keras_specs
-    from paraml.benchmark import Workload, format_table, measure, progress_printer, random_data, write_json
+    from paraml.bench.command import compute_ratios, format_ratios, versus_keras_specs
+    from paraml.bench.harness import Workload, format_table, measure, progress_printer, random_data, write_json
 
     devices = gpus or 2
     model_fn, shape, kind = PRESETS[args.model]

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from paraml import Parallel
-from paraml.bench import compute_ratios, format_ratios
-from paraml.benchmark import (
+from paraml.bench.command import compute_ratios, format_ratios
+from paraml.bench.harness import (
     METRICS,
     BenchResult,
     fit_window,
@@ -216,7 +216,7 @@ def test_int_at_least():
 
 def test_bench_and_cli_do_not_import_each_other():
     code = (
-        "import sys, paraml.bench, paraml.loading\n"
+        "import sys, paraml.bench.command, paraml.bench.loading\n"
         "assert 'paraml.cli' not in sys.modules, 'bench imports cli'\n"
         "assert 'tensorflow' not in sys.modules, 'importing bench loads TensorFlow'\n"
     )
@@ -253,7 +253,7 @@ def test_benchmarks_measure_through_the_public_api(path):
 def test_the_public_api_check_finds_private_uses(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text(
-        "from paraml.training import Feed\nfrom paraml.bench import _record\npar._trainer.x = 1\n"
+        "from paraml.loop.training import Feed\nfrom paraml.bench.command import _record\npar._trainer.x = 1\n"
         "getattr(par.backend, 'micro_batches', None)\ngetattr(par, 'backend')\n"
     )
     assert len(private_uses(bad)) == 6  # the module, _record, ._trainer, .backend, 'micro_batches', 'backend'

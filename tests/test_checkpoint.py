@@ -13,7 +13,7 @@ import pytest
 from conftest import logits_loss
 
 from paraml import Parallel
-from paraml.checkpoint import latest_checkpoint
+from paraml.loop.checkpoint import latest_checkpoint
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

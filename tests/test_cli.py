@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from paraml.loading import load_object
+from paraml.bench.loading import load_object
 
 
 def paraml(*args, timeout=120, cwd=None, **env):

@@ -1,4 +1,4 @@
-"""Tests for paraml.cluster: TF_CONFIG parsing, validation and generation."""
+"""Tests for paraml.cluster.config: TF_CONFIG parsing, validation and generation."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from paraml.cluster import (
+from paraml.cluster.config import (
     ClusterConfigError,
     ClusterSpecInfo,
     make_tf_config,
     parse_tf_config,
 )
 
-CLUSTER_PY = Path(__file__).resolve().parents[1] / "src" / "paraml" / "cluster.py"
+CLUSTER_PY = Path(__file__).resolve().parents[1] / "src" / "paraml" / "cluster" / "config.py"
 
 
 def _cfg(cluster: object = None, task: object = None, **extra: object) -> str:

@@ -11,7 +11,7 @@ from conftest import logits_loss, small_mlp
 from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils, tf_dataset_adapter
 
 from paraml import Parallel
-from paraml.data import GlobalBatches, global_batches, input_kind, split_validation
+from paraml.loop.batches import GlobalBatches, global_batches, input_kind, split_validation
 
 
 def batches(source: GlobalBatches, *args, **kwargs) -> list:

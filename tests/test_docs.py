@@ -62,18 +62,18 @@ def test_there_are_snippets():
 
 MODULES = [
     "paraml.parallel",
-    "paraml.training",
+    "paraml.loop.training",
     "paraml.devices",
-    "paraml.partition",
+    "paraml.planning.partition",
     "paraml.memory",
-    "paraml.units",
-    "paraml.optimizers",
-    "paraml.sizes",
+    "paraml.planning.observe",
+    "paraml.planning.optimizers",
+    "paraml.planning.sizes",
     "paraml.checks",
     "paraml.auto",
-    "paraml.cluster",
-    "paraml.schedulers",
-    "paraml.rendezvous",
+    "paraml.cluster.config",
+    "paraml.cluster.detect",
+    "paraml.cluster.rendezvous",
 ]
 
 

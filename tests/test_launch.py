@@ -1,4 +1,4 @@
-"""Tests for paraml.launch, the local multi-worker launcher.
+"""Tests for paraml.cluster.launch, the local multi-worker launcher.
 
 The workers are tiny Python scripts written to tmp_path (no TensorFlow), except
 one restart test that trains with TensorFlow (tests/scripts/restart_train.py).
@@ -27,7 +27,7 @@ from typing import TypeVar
 import pytest
 from conftest import fails_after
 
-from paraml.launch import (
+from paraml.cluster.launch import (
     PortUnavailableError,
     add_arguments,
     find_free_ports,
@@ -360,7 +360,7 @@ def test_signal_to_launcher_stops_workers(tmp_path: Path, sig: int, expected: in
     # SIGINT may be ignored when tests run in the background; restore Python's default.
     code = (
         "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-        "from paraml.launch import main; "
+        "from paraml.cluster.launch import main; "
         f"sys.exit(main(['-n', '2', '--stop-timeout', '5', {str(script)!r}]))"
     )
     env = dict(
@@ -502,7 +502,7 @@ def test_python_dash_m_entry_point(tmp_path: Path) -> None:
         PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
     )
     result = subprocess.run(
-        [sys.executable, "-m", "paraml.launch", "-n", "0", str(tmp_path / "x.py")],
+        [sys.executable, "-m", "paraml.cluster.launch", "-n", "0", str(tmp_path / "x.py")],
         check=False,
         env=env,
         capture_output=True,
@@ -560,7 +560,7 @@ def _reachable_from_here(tmp_path, *flags):
     script = tmp_path / "listen.py"
     script.write_text(LISTENER)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "paraml.launch", "-n", "2", *flags, str(script), str(tmp_path)],
+        [sys.executable, "-m", "paraml.cluster.launch", "-n", "2", *flags, str(script), str(tmp_path)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -609,7 +609,7 @@ def test_ctrl_c_to_the_terminal_group_stops_workers_gracefully(tmp_path):
     script = tmp_path / "graceful.py"
     script.write_text(GRACEFUL)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "paraml.launch", "-n", "2", str(script)],
+        [sys.executable, "-m", "paraml.cluster.launch", "-n", "2", str(script)],
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,
@@ -747,7 +747,18 @@ def test_a_signal_to_the_launcher_is_never_restarted(tmp_path: Path) -> None:
     script = _script(tmp_path, RESTART_PIDS + "time.sleep(1000)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "paraml.launch", "-n", "2", "--max-restarts", "3", "--stop-timeout", "5", str(script)],
+        [
+            sys.executable,
+            "-m",
+            "paraml.cluster.launch",
+            "-n",
+            "2",
+            "--max-restarts",
+            "3",
+            "--stop-timeout",
+            "5",
+            str(script),
+        ],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -776,7 +787,7 @@ def test_a_signal_to_the_launcher_is_never_restarted(tmp_path: Path) -> None:
 def test_the_isolated_launch_restarts_too(tmp_path: Path) -> None:
     script = _script(tmp_path, RESTART_PIDS + "sys.exit(9 if (RESTART, INDEX) == (0, 1) else 0)\n")
     done = subprocess.run(
-        [sys.executable, "-m", "paraml.launch", "-n", "2", "--max-restarts", "1", str(script)],
+        [sys.executable, "-m", "paraml.cluster.launch", "-n", "2", "--max-restarts", "1", str(script)],
         capture_output=True,
         text=True,
         timeout=60,

@@ -1,4 +1,4 @@
-"""Tests for paraml.memory, paraml.units and paraml.optimizers.
+"""Tests for paraml.memory, paraml.planning.observe and paraml.planning.optimizers.
 
 Expected byte counts are worked out by hand from the layer shapes, not by
 calling the code under test.
@@ -15,16 +15,16 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from paraml.memory import MemoryEstimate, estimate_memory, layer_costs  # noqa: E402
-from paraml.optimizers import fresh_optimizer, optimizer_slots_per_param, slot_bytes  # noqa: E402
-from paraml.partition import LayerCost, plan_balanced  # noqa: E402
-from paraml.sizes import format_bytes, parse_size  # noqa: E402
-from paraml.units import (  # noqa: E402
+from paraml.planning.observe import (  # noqa: E402
     build_on_host,
     model_units,
     observation_notes,
     observe_units,
     unit_costs,
 )
+from paraml.planning.optimizers import fresh_optimizer, optimizer_slots_per_param, slot_bytes  # noqa: E402
+from paraml.planning.partition import LayerCost, plan_balanced  # noqa: E402
+from paraml.planning.sizes import format_bytes, parse_size  # noqa: E402
 
 F32 = 4  # bytes per float32
 

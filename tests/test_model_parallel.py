@@ -11,7 +11,7 @@ from conftest import logits_loss
 
 from paraml import Parallel
 from paraml.memory import layer_costs
-from paraml.partition import layer_cost
+from paraml.planning.partition import layer_cost
 
 
 # -- models -------------------------------------------------------------------------------------------------------

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from paraml import Parallel, load_digits
-from paraml.benchmark import run_process
-from paraml.cluster import ClusterConfigError, make_tf_config
+from paraml.bench.harness import run_process
+from paraml.cluster.config import ClusterConfigError, make_tf_config
+from paraml.cluster.launch import find_free_ports
 from paraml.demo import digits_model
-from paraml.launch import find_free_ports
 
 SCRIPT = Path(__file__).parent / "scripts" / "multi_worker_train.py"
 

@@ -1,4 +1,4 @@
-"""Tests for paraml.partition (pure Python, no TensorFlow)."""
+"""Tests for paraml.planning.partition (pure Python, no TensorFlow)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from paraml.partition import (
+from paraml.planning.partition import (
     PARTITION_CHOICES,
     LayerCost,
     PartitionPlan,
@@ -363,9 +363,9 @@ def test_partition_module_does_not_import_tensorflow() -> None:
     import subprocess
     from pathlib import Path
 
-    import paraml.partition
+    import paraml.planning.partition
 
-    package_dir = str(Path(paraml.partition.__file__).parent)
+    package_dir = str(Path(paraml.planning.partition.__file__).parent)
     code = (
         "import importlib, sys, types\n"
         "pkg = types.ModuleType('paraml_probe')\n"

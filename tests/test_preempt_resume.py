@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from paraml.preemption import EXIT_SIGTERM
+from paraml.loop.preemption import EXIT_SIGTERM
 
 SCRIPT = Path(__file__).parent / "scripts" / "preempt_train.py"
 

@@ -1,4 +1,4 @@
-"""Tests for paraml.preemption: real signals sent to this very process (no TensorFlow)."""
+"""Tests for paraml.loop.preemption: real signals sent to this very process (no TensorFlow)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-import paraml.preemption
-from paraml.preemption import EXIT_SIGINT, EXIT_SIGTERM, Preempted, PreemptionGuard, exit_code_for
+import paraml.loop.preemption
+from paraml.loop.preemption import EXIT_SIGINT, EXIT_SIGTERM, Preempted, PreemptionGuard, exit_code_for
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -235,7 +235,7 @@ def test_exit_code_for_rejects_non_signals(bad: object) -> None:
 LOOP = """
 import sys, time
 from pathlib import Path
-from paraml.preemption import PreemptionGuard
+from paraml.loop.preemption import PreemptionGuard
 
 out = Path(sys.argv[1])
 with PreemptionGuard() as guard:
@@ -286,12 +286,12 @@ def test_a_process_stops_saves_and_exits_with_the_code(tmp_path: Path, sig: int,
 
 
 def test_docstring_examples_run() -> None:
-    result = doctest.testmod(paraml.preemption, optionflags=doctest.ELLIPSIS)
+    result = doctest.testmod(paraml.loop.preemption, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 10 and result.failed == 0
 
 
 def test_module_does_not_import_tensorflow() -> None:
-    tree = ast.parse(Path(paraml.preemption.__file__).read_text())
+    tree = ast.parse(Path(paraml.loop.preemption.__file__).read_text())
     imported: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

@@ -1,4 +1,5 @@
-"""paraml.schedulers and paraml.rendezvous: each scheduler's variables, synthesised, give the cluster `paraml launch`
+"""paraml.cluster.detect and paraml.cluster.rendezvous: each scheduler's variables, synthesised, give the cluster
+`paraml launch`
 would give; bad or conflicting variables are clear errors; every exchange through a master ends within its timeout.
 
 No TensorFlow and no subprocess here: the real 2-process runs are in test_multi_worker.py and
@@ -20,10 +21,8 @@ from pathlib import Path
 import pytest
 from conftest import fails_after
 
-from paraml.cluster import ClusterConfigError, make_tf_config
-from paraml.launch import find_free_ports
-from paraml.rendezvous import Rendezvous, split_address
-from paraml.schedulers import (
+from paraml.cluster.config import ClusterConfigError, make_tf_config
+from paraml.cluster.detect import (
     SCHEDULERS,
     Cluster,
     detect_cluster,
@@ -31,6 +30,8 @@ from paraml.schedulers import (
     expand_tasks_per_node,
     setup_tf_config,
 )
+from paraml.cluster.launch import find_free_ports
+from paraml.cluster.rendezvous import Rendezvous, split_address
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "paraml"
 
@@ -373,7 +374,7 @@ def test_the_cluster_value_is_frozen_and_needs_its_addresses_for_tf_config():
         cluster.index = 0  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("module", ["schedulers.py", "rendezvous.py"])
+@pytest.mark.parametrize("module", ["cluster/detect.py", "cluster/rendezvous.py"])
 def test_detection_does_not_import_tensorflow(module):
     imported = set()
     for node in ast.walk(ast.parse((SRC / module).read_text())):

@@ -11,7 +11,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from paraml import Parallel  # noqa: E402
-from paraml.schedules import SCHEDULES, Schedule  # noqa: E402
+from paraml.planning.schedules import SCHEDULES, Schedule  # noqa: E402
 
 
 def test_one_f_one_b_bounds_the_micro_batches_in_flight_and_gpipe_does_not():

@@ -12,7 +12,7 @@ from test_model_parallel import gpt2 as model_parallel_gpt2
 
 from paraml import Parallel, estimate_memory
 from paraml.memory import variable_bytes_by_device
-from paraml.tensor_parallel import plan_splits, sparse_categorical_crossentropy, trained_variables
+from paraml.parallelism.tensor_parallel import plan_splits, sparse_categorical_crossentropy, trained_variables
 
 
 def gpt2():

@@ -288,7 +288,7 @@ def test_callback_hooks_pair_up_as_in_keras(data_1001):
 
 
 def test_stopping_mid_epoch_checkpoints_where_it_stopped(tmp_path, data_1001):
-    from paraml.checkpoint import latest_checkpoint, restore_checkpoint
+    from paraml.loop.checkpoint import latest_checkpoint, restore_checkpoint
 
     class StopAfterTwo(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):

@@ -32,7 +32,7 @@ _EXPORTS = {
     "simulate_devices": "devices",
     "ensure_devices": "devices",
     "list_devices": "devices",
-    "load_digits": "datasets",
+    "load_digits": "data",
 }
 
 __all__ = [
@@ -49,11 +49,11 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .datasets import load_digits
-    from .devices import ensure_devices, list_devices, simulate_devices
-    from .many import Job, JobResult, fit_many
-    from .memory import estimate_memory
-    from .parallel import Parallel
+    from paraml.data import load_digits
+    from paraml.devices import ensure_devices, list_devices, simulate_devices
+    from paraml.many import Job, JobResult, fit_many
+    from paraml.memory import estimate_memory
+    from paraml.parallel import Parallel
 
 
 def __getattr__(name: str) -> Any:

@@ -2,7 +2,7 @@
 
 The rule, in order:
 
-1. ``TF_CONFIG`` (or a scheduler's variables, :mod:`paraml.schedulers`) describes a cluster of more than one worker
+1. ``TF_CONFIG`` (or a scheduler's variables, :mod:`paraml.cluster.detect`) describes a cluster of more than one worker
    -> ``multi_worker`` (decided at once: that strategy must exist at program start);
 2. more than one device, and the estimated training memory fits on one device -> ``mirrored``;
 3. more than one device, and the model fits on one device with less memory per device for the same weights
@@ -27,15 +27,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from .memory import MemoryEstimate
-from .partition import LayerCost, make_plan
-from .sizes import format_bytes, parse_size
+from paraml.memory import MemoryEstimate
+from paraml.planning.partition import LayerCost, make_plan
+from paraml.planning.sizes import format_bytes, parse_size
 
 if TYPE_CHECKING:  # pragma: no cover
     import keras
 
-    from .backends.base import Backend, DeviceSpec
-    from .units import HostModel
+    from paraml.backends.base import Backend, DeviceSpec
+    from paraml.planning.observe import HostModel
 
 __all__ = ["AUTO_OPTIONS", "SAVINGS", "AutoChoice", "AutoDecision", "decide", "pipeline_copies", "tensor_shards"]
 
@@ -185,7 +185,7 @@ def pipeline_copies(
     that largest stage's bytes. One copy (and None) when only all the devices together fit it.
 
     Example:
-        >>> from paraml.partition import LayerCost
+        >>> from paraml.planning.partition import LayerCost
         >>> costs = [LayerCost(f"dense_{i}", 100, 0) for i in range(8)]    # 100 bytes each, no activations
         >>> pipeline_copies(costs, 4, device_memory=900, slots_per_param=2)  # 400 bytes a unit: 4 stages of 800
         (1, None)
@@ -213,13 +213,13 @@ def tensor_shards(
     and the units' costs per device with that split. The most devices when none is enough.
 
     Example:
-        >>> from paraml.partition import LayerCost
+        >>> from paraml.planning.partition import LayerCost
         >>> costs = [LayerCost("embedding", 1000, 0), LayerCost("head", 100, 0)]  # x4 with gradients and 2 slots
         >>> shards, per_device = tensor_shards(costs, [1000, 0], 4, device_memory=2000, slots_per_param=2)
         >>> shards, per_device[0].param_bytes
         (2, 500)
     """
-    from .partition import layer_cost
+    from paraml.planning.partition import layer_cost
 
     shards, per_device = 1, list(costs)
     for shards in [n for n in range(1, num_devices + 1) if num_devices % n == 0]:
@@ -238,8 +238,8 @@ class AutoChoice:
     """
 
     def __init__(self, devices: DeviceSpec, options: dict[str, Any]) -> None:
-        from . import backends
-        from .schedulers import detect_cluster
+        from paraml import backends
+        from paraml.cluster.detect import detect_cluster
 
         self.devices = devices
         self.options = dict(options)
@@ -254,7 +254,7 @@ class AutoChoice:
 
     def local_devices(self) -> tuple[str, ...]:
         """The devices the choice is made among."""
-        from .devices import resolve_devices
+        from paraml.devices import resolve_devices
 
         return resolve_devices(self.devices)
 
@@ -264,14 +264,14 @@ class AutoChoice:
         """Measure the model, apply :func:`decide`, create the chosen backend; return it and the host build of the
         model when one was made (for the backend's ``build_model``). With ``remat`` (the user's), the model is
         measured with recompute; else recompute is measured when the model does not fit without it."""
-        from . import backends
-        from .devices import device_memory
-        from .memory import estimate_memory
-        from .optimizers import optimizer_slots_per_param
-        from .partition import layer_cost
-        from .remat import recomputing
-        from .tensor_parallel import plan_splits
-        from .units import build_on_host, unit_costs
+        from paraml import backends
+        from paraml.devices import device_memory
+        from paraml.memory import estimate_memory
+        from paraml.parallelism.remat import recomputing
+        from paraml.parallelism.tensor_parallel import plan_splits
+        from paraml.planning.observe import build_on_host, unit_costs
+        from paraml.planning.optimizers import optimizer_slots_per_param
+        from paraml.planning.partition import layer_cost
 
         devices = self.local_devices()
         memory = self.options.get("device_memory")

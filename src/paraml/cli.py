@@ -7,9 +7,9 @@ import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
 
-from .checks import did_you_mean
-from .loading import load_object
-from .logs import filtered_stderr
+from paraml.bench.loading import load_object
+from paraml.checks import did_you_mean
+from paraml.cluster.logs import filtered_stderr
 
 __all__ = ["COMMANDS", "main"]
 
@@ -18,7 +18,7 @@ COMMANDS = ("demo", "env", "devices", "estimate", "bench", "launch", "cluster")
 
 
 def _demo(ns: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from paraml.demo import run_demo
 
     results = run_demo(num_devices=ns.devices, epochs=ns.epochs, batch_size=ns.batch_size)
     worst = min(r.accuracy for r in results)
@@ -26,7 +26,7 @@ def _demo(ns: argparse.Namespace) -> int:
 
 
 def _devices(ns: argparse.Namespace) -> int:
-    from .devices import simulate_devices
+    from paraml.devices import simulate_devices
 
     if ns.simulate:
         simulate_devices(ns.simulate)
@@ -36,8 +36,8 @@ def _devices(ns: argparse.Namespace) -> int:
 
 def _device_table() -> str:
     """The local devices with their memory, then, without a GPU, why TensorFlow sees none."""
-    from .devices import describe_devices, no_gpu_reason
-    from .sizes import format_bytes
+    from paraml.devices import describe_devices, no_gpu_reason
+    from paraml.planning.sizes import format_bytes
 
     infos = describe_devices()
     lines = [f"{'device':<20}{'type':<6}{'memory':>12}"]
@@ -59,7 +59,7 @@ def _env(ns: argparse.Namespace) -> int:
     import os
     import platform
 
-    from . import __version__
+    from paraml import __version__
 
     print(f"paraml {__version__}")
     print(f"python {platform.python_version()} ({sys.executable}) on {platform.platform()}, {os.cpu_count()} cores")
@@ -75,7 +75,7 @@ def _env(ns: argparse.Namespace) -> int:
 
 
 def _estimate(ns: argparse.Namespace) -> int:
-    from .memory import estimate_memory
+    from paraml.memory import estimate_memory
 
     model_fn = load_object(ns.model)
     if not callable(model_fn):
@@ -94,14 +94,14 @@ def _estimate(ns: argparse.Namespace) -> int:
 
 
 def _launch(ns: argparse.Namespace) -> int:
-    from . import launch
+    from paraml.cluster import launch
 
     return launch.run_from_args(ns)
 
 
 def _cluster(ns: argparse.Namespace) -> int:
     """What ``multi_worker`` would read here, without TensorFlow and without exchanging addresses."""
-    from .schedulers import detect_cluster, no_cluster_message
+    from paraml.cluster.detect import detect_cluster, no_cluster_message
 
     cluster = detect_cluster()
     if cluster is None:
@@ -113,7 +113,7 @@ def _cluster(ns: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``paraml`` command."""
-    from . import __version__
+    from paraml import __version__
 
     parser = argparse.ArgumentParser(prog="paraml", description="Multi-device training on TensorFlow/Keras 3.")
     parser.add_argument("--version", action="version", version=f"paraml {__version__}")
@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     estimate.set_defaults(run=_estimate)
 
-    from . import bench, launch
+    from paraml.bench import command as bench
+    from paraml.cluster import launch
 
     benchmark = commands.add_parser("bench", help="compare the backends side by side on this machine")
     bench.add_arguments(benchmark)

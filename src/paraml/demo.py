@@ -38,7 +38,7 @@ class DemoResult:
 
 def default_backends(num_devices: int) -> list[tuple[str, int]]:
     """(strategy, devices) pairs the demo runs: every local backend on ``num_devices`` devices."""
-    from . import backends
+    from paraml import backends
 
     names = [name for name in backends.available() if name not in ("auto", "multi_worker")]
     return [(name, 1 if name == "single" else num_devices) for name in names]
@@ -57,9 +57,9 @@ def run_demo(
 
     import tensorflow as tf
 
-    from .datasets import load_digits
-    from .devices import simulate_devices
-    from .parallel import Parallel
+    from paraml.data import load_digits
+    from paraml.devices import simulate_devices
+    from paraml.parallel import Parallel
 
     out = out or sys.stdout
     gpus = len(tf.config.list_physical_devices("GPU"))

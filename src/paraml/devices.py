@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from .checks import check_int
+from paraml.checks import check_int
 
 __all__ = [
     "DeviceInfo",

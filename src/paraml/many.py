@@ -70,9 +70,9 @@ from typing import Any, TextIO
 import keras
 import tensorflow as tf
 
-from .checks import check_int, check_named
-from .devices import canonical_device, resolve_devices
-from .parallel import Parallel
+from paraml.checks import check_int, check_named
+from paraml.devices import canonical_device, resolve_devices
+from paraml.parallel import Parallel
 
 __all__ = ["Job", "JobResult", "fit_many"]
 

@@ -11,12 +11,12 @@ What :func:`estimate_memory` counts:
 * **optimizer slots**: bytes of the slot variables a fresh copy of the
   optimizer creates when built on the model's trainable variables (momenta,
   velocities, factored second moments, EMA copies, gradient accumulators...;
-  :func:`paraml.optimizers.slot_bytes`); scalar bookkeeping variables
+  :func:`paraml.planning.optimizers.slot_bytes`); scalar bookkeeping variables
   (``iteration``, ``learning_rate``, ...) are ignored;
 * **activations**: what one training step keeps alive between its forward and
   backward passes, measured, not guessed: one training step of the model is
   traced on two small batches and every tensor its forward pass creates that
-  the gradient reads is counted, per unit (:func:`paraml.units.observe_units`),
+  the gradient reads is counted, per unit (:func:`paraml.planning.observe.observe_units`),
   then scaled to ``batch_size`` rows; plus the batch itself and the model's
   outputs (the loss keeps them). With ``remat=True``, the units are traced
   recomputed (they keep about their inputs), plus the largest unit's own
@@ -39,14 +39,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .checks import check_int
-from .optimizers import optimizer_slots_per_param, slot_bytes
-from .sizes import format_bytes
-from .units import Observation, observation_notes, observe_units, unit_costs, variable_bytes
-from .zero import owners
+from paraml.checks import check_int
+from paraml.parallelism.zero import owners
+from paraml.planning.observe import Observation, observation_notes, observe_units, unit_costs, variable_bytes
+from paraml.planning.optimizers import optimizer_slots_per_param, slot_bytes
+from paraml.planning.sizes import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .partition import LayerCost
+    from paraml.planning.partition import LayerCost
 
 __all__ = ["MemoryEstimate", "estimate_memory", "layer_costs", "memory_by_device", "variable_bytes_by_device"]
 
@@ -177,16 +177,18 @@ def estimate_memory(
             a fresh optimizer on the model's trainable variables, which
             temporarily allocates those slots.  If false, or if that fails,
             ``trainable bytes * optimizer_slots_per_param(optimizer)`` is used.
-        remat: The estimate with recompute (``Parallel(..., remat=True)``, :mod:`paraml.remat`).
+        remat: The estimate with recompute (``Parallel(..., remat=True)``, :mod:`paraml.parallelism.remat`).
         sample: A batch of the model's inputs (any number of rows) whose shapes, dtypes and values the measurement
             uses: give one when the model leaves its sequence length or image size unknown.
         optimizer_shards: The optimizer slots split over this many devices as ``shard_optimizer=True`` splits them
             (each variable's slots on one owner, owners balanced by bytes): the slots of the device holding most.
         tensor_parallel: The model's Dense, attention and Embedding layers split over this many devices as
-            ``model_parallel``'s ``tensor_parallel`` splits them (:func:`paraml.tensor_parallel.plan_splits`): the
+            ``model_parallel``'s ``tensor_parallel`` splits them
+            (:func:`paraml.parallelism.tensor_parallel.plan_splits`): the
             parameters, gradients and slots of the device holding most (the layers left whole and the largest part of
             each split one); the activations are counted whole.
-        observation: :func:`paraml.units.observe_units` of ``model`` to reuse (measured with recompute when the
+        observation: :func:`paraml.planning.observe.observe_units` of ``model`` to reuse (measured with recompute when
+        the
             estimate is); measured here when None.
 
     Raises:
@@ -207,7 +209,7 @@ def estimate_memory(
     notes: list[str] = []
     slots = _slot_bytes(optimizer, trainable, exact_slots, check_int("optimizer_shards", optimizer_shards), notes)
     if check_int("tensor_parallel", tensor_parallel) > 1:
-        from .tensor_parallel import part_sizes, plan_splits
+        from paraml.parallelism.tensor_parallel import part_sizes, plan_splits
 
         plan = plan_splits(model, tensor_parallel, sample)
 
@@ -229,7 +231,7 @@ def estimate_memory(
     if not isinstance(remat, bool):
         raise ValueError(f"remat must be True or False, got {remat!r}")
     if observation is None:
-        from .remat import recomputing  # TensorFlow: only now
+        from paraml.parallelism.remat import recomputing  # TensorFlow: only now
 
         observation = observe_units(model, sample=sample, recompute=recomputing if remat else None)
     costs = unit_costs(observation, batch_size, remat=remat)
@@ -278,10 +280,11 @@ def _slot_bytes(optimizer: Any, trainable: list[Any], exact: bool, shards: int, 
 def layer_costs(
     model: Any | Callable[[], Any], *, batch_size: int, remat: bool = False, sample: Any = None
 ) -> list[LayerCost]:
-    """Per-unit :class:`paraml.partition.LayerCost`, in the order one call of the model runs its units.
+    """Per-unit :class:`paraml.planning.partition.LayerCost`, in the order one call of the model runs its units.
 
     ``model`` is a built ``keras.Model`` or a zero-argument callable returning one; the costs are
-    :func:`paraml.units.unit_costs` of :func:`paraml.units.observe_units` (nested models are descended into; a layer
+    :func:`paraml.planning.observe.unit_costs` of :func:`paraml.planning.observe.observe_units` (nested models are
+    descended into; a layer
     called twice is one unit). ``param_bytes`` counts all of a unit's variables (trainable and not) once;
     ``activation_bytes`` is the bytes of its outputs over all its calls, scaled to ``batch_size`` rows.
 
@@ -295,7 +298,7 @@ def layer_costs(
         [LayerCost(name='d', param_bytes=60, activation_bytes=0)]
     """
     batch_size = check_int("batch_size", batch_size)
-    from .remat import recomputing  # TensorFlow: only now
+    from paraml.parallelism.remat import recomputing  # TensorFlow: only now
 
     observed = observe_units(_resolve_model(model), sample=sample, recompute=recomputing if remat else None)
     return unit_costs(observed, batch_size, remat=remat)

@@ -1,8 +1,9 @@
 """The facade: ``Parallel(strategy, devices)`` picks a backend by name, owns the model and runs the one loop.
 
 It tells the story and delegates each chapter: argument checks (:mod:`paraml.checks`), the choice of ``"auto"``
-(:mod:`paraml.auto`), compiling (:mod:`paraml.compiling`), the input (:mod:`paraml.data`), checkpoints, resume and
-preemption (:mod:`paraml.checkpoint`), and the loop (:mod:`paraml.training`).
+(:mod:`paraml.auto`), compiling (:mod:`paraml.loop.compiling`), the input (:mod:`paraml.loop.batches`),
+checkpoints, resume and
+preemption (:mod:`paraml.loop.checkpoint`), and the loop (:mod:`paraml.loop.training`).
 """
 
 from __future__ import annotations
@@ -18,20 +19,20 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from . import backends
-from .auto import AUTO_OPTIONS, AutoChoice
-from .backends.base import Backend
-from .backends.model_parallel import ModelParallelBackend
-from .checkpoint import Checkpointing, CheckpointState, restore_checkpoint, save_checkpoint
-from .checks import check_int, check_verbose, did_you_mean
-from .compiling import check_compile_names, compile_model, extra_optimizers, overrides
-from .data import GlobalBatches, global_batches, split_validation, zeros_like_spec
-from .devices import no_gpu_reason
-from .memory import memory_by_device
-from .partition import PartitionPlan
-from .remat import recompute_units
-from .sizes import format_bytes
-from .training import Trainer
+from paraml import backends
+from paraml.auto import AUTO_OPTIONS, AutoChoice
+from paraml.backends.base import Backend
+from paraml.backends.model_parallel import ModelParallelBackend
+from paraml.checks import check_int, check_verbose, did_you_mean
+from paraml.devices import no_gpu_reason
+from paraml.loop.batches import GlobalBatches, global_batches, split_validation, zeros_like_spec
+from paraml.loop.checkpoint import Checkpointing, CheckpointState, restore_checkpoint, save_checkpoint
+from paraml.loop.compiling import check_compile_names, compile_model, extra_optimizers, overrides
+from paraml.loop.training import Trainer
+from paraml.memory import memory_by_device
+from paraml.parallelism.remat import recompute_units
+from paraml.planning.partition import PartitionPlan
+from paraml.planning.sizes import format_bytes
 
 __all__ = ["Parallel"]
 
@@ -70,7 +71,8 @@ class Parallel:
     compile each replica's forward pass, loss and gradients with XLA; ``"auto"``: where Keras would, on GPUs, and
     the backend allows it; ``False``, the default: never; :meth:`explain` says what was chosen), ``remat`` (``True``:
     each unit, a layer that is not a model, recomputes its activations in the backward pass instead of keeping them:
-    less memory, one more forward pass, the same weights; :mod:`paraml.remat`), and each backend's own (for example
+    less memory, one more forward pass, the same weights; :mod:`paraml.parallelism.remat`), and each backend's own (for
+    example
     ``parameter_device`` for ``central_storage``).
 
     >>> import numpy as np, keras
@@ -408,7 +410,7 @@ class Parallel:
         With ``checkpoint_dir``, a checkpoint is saved at the end of every epoch (and every ``checkpoint_every``
         steps), keeping the newest ``keep``; started again with the same directory, training resumes from the last
         complete checkpoint and ends with the weights of a run that never stopped. A SIGTERM or SIGINT during such a
-        fit stops at the next step, saves, and exits with :data:`paraml.preemption` 's code (see docs/guide.md).
+        fit stops at the next step, saves, and exits with :data:`paraml.loop.preemption` 's code (see docs/guide.md).
         """
         self._require_model("fit")
         _check_fit_arguments(epochs, initial_epoch, steps_per_epoch, validation_steps, validation_freq)

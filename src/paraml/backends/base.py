@@ -1,6 +1,6 @@
 """The contract every backend fulfils: who it is, what it can do, and how it executes.
 
-A backend answers the one training loop (:mod:`paraml.training`) in three groups, and knows nothing of epochs,
+A backend answers the one training loop (:mod:`paraml.loop.training`) in three groups, and knows nothing of epochs,
 callbacks or metrics (the loop knows nothing of devices):
 
 - **identity**, one value: :attr:`Backend.topology`, this process's devices, the :class:`Layout` (data replicas x
@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import keras
 import tensorflow as tf
 
-from ..checks import check_int
+from paraml.checks import check_int
 
 __all__ = ["Backend", "Capabilities", "DeviceSpec", "Layout", "Objective", "Topology"]
 
@@ -33,7 +33,8 @@ __all__ = ["Backend", "Capabilities", "DeviceSpec", "Layout", "Objective", "Topo
 DeviceSpec = None | int | str | Sequence[str]
 
 #: ``objective(x, y, y_pred, sample_weight) -> loss parts``: the loss of (a part of) a replica's batch as a vector
-#: of sums that add up over micro-batches and replicas (:class:`paraml.replica.ReplicaStep` divides them by the global
+#: of sums that add up over micro-batches and replicas (:class:`paraml.loop.steps.ReplicaStep` divides them by the
+# global
 #: counts); it also updates the metrics. Call it right after the forward pass of that part: it reads
 #: ``model.losses`` of the latest call.
 Objective = Callable[[Any, Any, Any, Any], tf.Tensor]
@@ -114,7 +115,7 @@ class Capabilities:
         grouped_convolution_problem: Why a convolution with ``groups > 1`` (a grouped or depthwise one, as in
             ConvNeXt) cannot run here, or None.
         own_train_step_problem: Why a model's own ``train_step`` cannot run here (as configured), or None.
-        shards_optimizer: The optimizer's slots live on one owner device per variable (:mod:`paraml.zero`).
+        shards_optimizer: The optimizer's slots live on one owner device per variable (:mod:`paraml.parallelism.zero`).
         colocates_gradients: A replica's step spans several devices, so each gradient op must run on its forward
             op's device (the step takes ``tf.gradients``, which places them there, rather than a tape's gradient).
     """
@@ -167,7 +168,8 @@ class Backend(abc.ABC):
 
         ``optimizer`` (what the user passed to ``build``) and ``remat`` (whether the units will be recomputed) let a
         backend that plans placement by memory count the optimizer's slots and the activations kept. ``host_model``
-        is a :class:`paraml.units.HostModel` the caller already built (``auto`` measured it), for a backend that plans
+        is a :class:`paraml.planning.observe.HostModel` the caller already built (``auto`` measured it), for a backend
+        that plans
         from a first build; data-parallel backends ignore all three.
         """
         del optimizer, host_model, remat

@@ -15,12 +15,12 @@ from typing import Any
 
 import tensorflow as tf
 
-from ..checks import check_choice
-from ..cluster import connect_timeout, global_worker_index, wait_for_workers
-from ..devices import canonical_device, resolve_devices
-from ..schedulers import setup_tf_config
-from .base import Backend, Capabilities, DeviceSpec, Layout, Topology
-from .registry import register
+from paraml.backends.base import Backend, Capabilities, DeviceSpec, Layout, Topology
+from paraml.backends.registry import register
+from paraml.checks import check_choice
+from paraml.cluster.config import connect_timeout, global_worker_index, wait_for_workers
+from paraml.cluster.detect import setup_tf_config
+from paraml.devices import canonical_device, resolve_devices
 
 __all__ = [
     "CentralStorageBackend",
@@ -111,7 +111,8 @@ class MirroredBackend(StrategyBackend):
     gradients summed by all-reduce.
 
     Option ``shard_optimizer=True`` keeps each variable's optimizer slots on one device only, which runs its update
-    and broadcasts the result (ZeRO stage 1, :mod:`paraml.zero`): the same weights, 1/N of the optimizer state per
+    and broadcasts the result (ZeRO stage 1, :mod:`paraml.parallelism.zero`): the same weights, 1/N of the optimizer
+    state per
     device.
 
     >>> from paraml import Parallel
@@ -228,11 +229,12 @@ class MultiWorkerBackend(StrategyBackend):
     TensorFlow's collective all-reduce over gRPC keeps their variables identical.
 
     The cluster comes from ``TF_CONFIG`` (``paraml launch`` sets it), else from a scheduler's variables (Slurm,
-    Vertex AI, Kubernetes, Kubeflow, SageMaker, MPI: :mod:`paraml.schedulers`), or from the option
+    Vertex AI, Kubernetes, Kubeflow, SageMaker, MPI: :mod:`paraml.cluster.detect`), or from the option
     ``cluster_resolver`` (any ``tf.distribute.cluster_resolver`` object).
     ``communication`` is ``"auto"``, ``"ring"`` or ``"nccl"``. Each worker uses its local devices (every GPU, else
     the CPU). Create it at program start: TensorFlow must not have initialised its devices yet. Option
-    ``shard_optimizer=True`` keeps each variable's optimizer slots on one replica of one worker (:mod:`paraml.zero`).
+    ``shard_optimizer=True`` keeps each variable's optimizer slots on one replica of one worker
+    (:mod:`paraml.parallelism.zero`).
 
     Each worker::
 

@@ -2,17 +2,18 @@
 
 How it works, and why:
 
-- **Units.** A unit is a layer that is not itself a model (:func:`paraml.units.model_units`): nested models (a
+- **Units.** A unit is a layer that is not itself a model (:func:`paraml.planning.observe.model_units`): nested models
+(a
   keras_hub backbone inside its task, a backbone inside backbone + head) are descended into, so a 12-layer
   transformer's blocks spread over the stages; a transformer block, an attention layer or a Dense is one unit. A
   layer called several times (a tied embedding) is one unit, counted once.
 - **Order and sizes.** One training step of the model is traced on small batches with each unit's ``call`` wrapped
-  (:func:`paraml.units.observe_units`): the order in which the units first run is the pipeline order, and the
+  (:func:`paraml.planning.observe.observe_units`): the order in which the units first run is the pipeline order, and the
   tensors each unit keeps for the backward pass (with ``remat=True``: when recomputed) are the activations the
   balanced planner weighs next to the parameters, gradients and optimizer slots. Option ``sample`` (a batch of
   inputs) gives the sequence length or image size when the model leaves them unknown.
 - **Placement.** ``model_fn`` creates its variables while it runs, before any partition is known. So the model is
-  built twice: once on the host to observe it and plan the stages (:func:`paraml.units.build_on_host`; under
+  built twice: once on the host to observe it and plan the stages (:func:`paraml.planning.observe.build_on_host`; under
   ``"auto"``, the build ``auto`` measured), then again under a ``tf.variable_creator_scope``
   that creates the i-th variable on the device of the stage whose unit owns it, and the first build's variables are
   copied over (so the same seed gives the same initial weights, and random-seed states, as on every other backend).
@@ -34,7 +35,8 @@ How it works, and why:
   runs on its stage's device of the pipeline of the replica being traced. So distributing the batches, the gradient
   all-reduce, the optimizer update and the checkpoints are the data-parallel backends' own.
 - **Layers split over devices.** With ``tensor_parallel=T`` a stage spans T devices: the same creator makes each
-  split weight's parts there (:mod:`paraml.tensor_parallel` plans the splits on the first build), and the split
+  split weight's parts there (:mod:`paraml.parallelism.tensor_parallel` plans the splits on the first build), and the
+  split
   layers' calls compute on the parts. A step spans devices, so its gradient is taken with ``tf.gradients``, which runs
   each gradient op on its forward op's device (a tape's would all run on the first device).
 """
@@ -50,20 +52,27 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from ..checks import check_choice, check_int
-from ..devices import device_memory, resolve_devices
-from ..masks import concat_with_masks, keras_masks
-from ..optimizers import optimizer_slots_per_param
-from ..partition import LayerCost, PartitionPlan, Stage, layer_cost, make_plan
-from ..remat import recomputing
-from ..schedulers import setup_tf_config
-from ..schedules import SCHEDULES, Schedule
-from ..sizes import format_bytes, parse_size
-from ..tensor_parallel import SplitLayers, TensorPlan, WholeVariable, part_sizes, plan_splits, trained_variables
-from ..units import HostModel, build_on_host, model_units, nested_layers, observation_notes, unit_costs
-from .base import Capabilities, DeviceSpec, Layout, Objective, Topology
-from .distribute import StrategyBackend, mirrored_strategy, multi_worker_strategy, workers
-from .registry import register
+from paraml.backends.base import Capabilities, DeviceSpec, Layout, Objective, Topology
+from paraml.backends.distribute import StrategyBackend, mirrored_strategy, multi_worker_strategy, workers
+from paraml.backends.registry import register
+from paraml.checks import check_choice, check_int
+from paraml.cluster.detect import setup_tf_config
+from paraml.devices import device_memory, resolve_devices
+from paraml.internals import concat_with_masks, keras_masks
+from paraml.parallelism.remat import recomputing
+from paraml.parallelism.tensor_parallel import (
+    SplitLayers,
+    TensorPlan,
+    WholeVariable,
+    part_sizes,
+    plan_splits,
+    trained_variables,
+)
+from paraml.planning.observe import HostModel, build_on_host, model_units, nested_layers, observation_notes, unit_costs
+from paraml.planning.optimizers import optimizer_slots_per_param
+from paraml.planning.partition import LayerCost, PartitionPlan, Stage, layer_cost, make_plan
+from paraml.planning.schedules import SCHEDULES, Schedule
+from paraml.planning.sizes import format_bytes, parse_size
 
 __all__ = ["ModelParallelBackend"]
 
@@ -86,7 +95,8 @@ class ModelParallelBackend(StrategyBackend):
     ``device_memory`` (``"16GiB"``, bytes, or None: what TensorFlow tells; a unit or a stage larger than that is
     refused at build) and ``data_parallel`` (default 1: R copies of the pipeline, each on ``devices / R`` devices and
     its slice of the global batch, their gradients all-reduced) and ``tensor_parallel`` (default 1: each stage on T
-    devices, its Dense, attention and Embedding layers split over them, :mod:`paraml.tensor_parallel`; devices =
+    devices, its Dense, attention and Embedding layers split over them, :mod:`paraml.parallelism.tensor_parallel`;
+    devices =
     data_parallel x stages x T). In a cluster of several workers (``TF_CONFIG`` or a scheduler's variables) each
     worker runs one pipeline over its devices and the workers are its copies.
 
@@ -129,7 +139,7 @@ class ModelParallelBackend(StrategyBackend):
         memory = options.get("device_memory")
         self.data_parallel: int = check_int("data_parallel", options.get("data_parallel", 1))
         self.tensor_parallel: int = check_int("tensor_parallel", options.get("tensor_parallel", 1))
-        cluster = setup_tf_config()  # TF_CONFIG, else set from a scheduler's variables (paraml.schedulers)
+        cluster = setup_tf_config()  # TF_CONFIG, else set from a scheduler's variables (paraml.cluster.detect)
         #: Whether this process is one worker of a cluster: its pipeline is data parallel with the other workers'.
         self.in_cluster: bool = cluster is not None and cluster.num_workers > 1
         #: ``groups[r][s]``: the ``tensor_parallel`` devices of stage ``s`` of this worker's pipeline ``r``, and
@@ -141,7 +151,7 @@ class ModelParallelBackend(StrategyBackend):
         self.partition = partition
         self.device_memory: int | None = None if memory is None else parse_size(memory)
         stages = len(self.grid[0])
-        #: The pipeline schedule (:mod:`paraml.schedules`): printable, and the rule the stages' gates follow.
+        #: The pipeline schedule (:mod:`paraml.planning.schedules`): printable, and the rule the stages' gates follow.
         self.schedule = Schedule(schedule, stages, self.micro_batches)
         # Under 1F1B, (stage, micro-batch) -> the ops of that micro-batch's backward pass on that stage, and the
         # micro-batch being traced: a stage's forward pass waits for the backward pass the schedule names.
@@ -359,7 +369,8 @@ class ModelParallelBackend(StrategyBackend):
         self, next_creator: Callable[..., Any], kwargs: dict[str, Any], stage: int, shape: tuple[int, ...], axis: int
     ) -> Any:
         """A variable of ``shape`` split on ``axis`` over ``stage``'s devices: its parts (each made by the creators
-        below, one copy per pipeline), behind a :class:`paraml.tensor_parallel.WholeVariable`. The parts start at
+        below, one copy per pipeline), behind a :class:`paraml.parallelism.tensor_parallel.WholeVariable`. The parts
+        start at
         zero: the first build's values are assigned next."""
         parts = []
         name = kwargs.get("name") or "variable"
@@ -496,7 +507,8 @@ class ModelParallelBackend(StrategyBackend):
         self, model: keras.Model, parts: list[tuple[Any, ...]], objective: Objective
     ) -> tuple[tf.Tensor, Any]:
         """The loss parts of a training batch whose micro-batches each run forward and then backward, in the 1F1B
-        order (:mod:`paraml.schedules`): each micro-batch's gradient is taken as soon as its loss exists, and each
+        order (:mod:`paraml.planning.schedules`): each micro-batch's gradient is taken as soon as its loss exists,
+        and each
         stage's forward pass of micro-batch ``i`` waits (a control dependency) for the backward pass the schedule
         names. The caller's tape sees one op whose gradient is the sum of the micro-batches' gradients, scaled by what
         flows back into the loss (the replica's division by the global batch, a loss scale)."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from ..checks import did_you_mean
-from .base import Backend
+from paraml.backends.base import Backend
+from paraml.checks import did_you_mean
 
 __all__ = ["available", "get_backend", "register", "unregister"]
 

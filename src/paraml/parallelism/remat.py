@@ -1,6 +1,7 @@
 """Recompute (``Parallel(..., remat=True)``): a unit's activations are recomputed in the backward pass, not kept.
 
-Each unit of the model (a layer that is not itself a model, :func:`paraml.units.model_units`; a transformer block, a
+Each unit of the model (a layer that is not itself a model, :func:`paraml.planning.observe.model_units`; a transformer
+block, a
 Dense) gets its ``call`` wrapped in ``tf.recompute_grad``: the forward pass keeps the unit's inputs only, and the
 backward pass runs the unit again for what its gradient needs. So a step holds the units' inputs plus one unit's
 internals at a time, instead of every intermediate tensor of every unit (a transformer block keeps 10-20x its output).
@@ -23,7 +24,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from .units import model_units, nested_layers
+from paraml.planning.observe import model_units, nested_layers
 
 __all__ = ["recompute_units", "recomputed_units", "recomputing"]
 

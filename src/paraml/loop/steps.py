@@ -25,11 +25,11 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from .backends.base import Backend, Objective
-from .compiling import STEP_METHODS, extra_optimizers, overrides
-from .data import GlobalBatches, zeros_like_spec
-from .masks import keras_mask
-from .tensor_parallel import trained_variables
+from paraml.backends.base import Backend, Objective
+from paraml.internals import keras_mask
+from paraml.loop.batches import GlobalBatches, zeros_like_spec
+from paraml.loop.compiling import STEP_METHODS, extra_optimizers, overrides
+from paraml.parallelism.tensor_parallel import trained_variables
 
 __all__ = ["ReplicaStep"]
 

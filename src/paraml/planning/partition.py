@@ -6,7 +6,7 @@ tuple of :class:`Stage` objects, each holding a contiguous run of layers.
 
 This module imports neither TensorFlow nor Keras; it is plain Python, so plans
 can be made, inspected and tested without touching a device.  Use
-:func:`paraml.memory.layer_costs` (or :func:`paraml.units.unit_costs` of an
+:func:`paraml.memory.layer_costs` (or :func:`paraml.planning.observe.unit_costs` of an
 observation) to build the cost list from a Keras model.
 
 Memory model of a stage (all numbers in bytes)::
@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .checks import check_int, check_named
-from .sizes import format_bytes
+from paraml.checks import check_int, check_named
+from paraml.planning.sizes import format_bytes
 
 __all__ = [
     "PARTITION_CHOICES",

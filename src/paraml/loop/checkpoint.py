@@ -14,7 +14,7 @@ what stays the same across backends and processes. Alongside: the epoch and step
 
 :class:`Checkpointing` is what ``fit(checkpoint_dir=...)`` does with them, in one place: resume from the newest
 checkpoint (every worker agreeing on which), save at each epoch's end, every N steps and where training stops, and
-turn SIGTERM/SIGINT into a stop at the next step (:class:`paraml.preemption.PreemptionGuard`).
+turn SIGTERM/SIGINT into a stop at the next step (:class:`paraml.loop.preemption.PreemptionGuard`).
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from .checks import check_int
-from .compiling import extra_optimizers
-from .preemption import Preempted, PreemptionGuard
-from .zero import restorable_state, whole_state
+from paraml.checks import check_int
+from paraml.loop.compiling import extra_optimizers
+from paraml.loop.preemption import Preempted, PreemptionGuard
+from paraml.parallelism.zero import restorable_state, whole_state
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .training import Trainer
+    from paraml.loop.training import Trainer
 
 __all__ = [
     "CheckpointState",
@@ -70,7 +70,7 @@ def _seed_states(model: keras.Model) -> list[Any]:
 
 def _trackables(model: keras.Model, optimizer: keras.optimizers.Optimizer, state: Sequence[Any]) -> dict[str, Any]:
     """What a checkpoint holds, by key; ``state`` is the optimizer's variables as saved or restored (None: another
-    worker's slot, :mod:`paraml.zero`)."""
+    worker's slot, :mod:`paraml.parallelism.zero`)."""
     tracked: dict[str, Any] = {f"model_{i:05d}": v.value for i, v in enumerate(model.weights)}
     # Without them, a resumed run would draw the random numbers of its first steps again.
     tracked.update({f"seed_{i:05d}": v.value for i, v in enumerate(_seed_states(model))})
@@ -265,7 +265,7 @@ class Checkpointing:
     """The checkpoints of one ``fit(checkpoint_dir=...)``: resume, agree, save on progress, stop on a signal.
 
     ``every`` saves every N steps too (on the same grid of steps after a resume), ``keep`` keeps the newest K. The
-    object is the loop's ``on_progress`` hook (:data:`paraml.training.ProgressHook`).
+    object is the loop's ``on_progress`` hook (:data:`paraml.loop.training.ProgressHook`).
     """
 
     def __init__(

@@ -313,7 +313,7 @@ def make_tf_config(addresses: Sequence[str], index: int) -> str:
     """Build the ``TF_CONFIG`` JSON for worker ``index`` of a worker-only cluster.
 
     Worker 0 acts as the chief (no separate ``chief`` job), which is what
-    :func:`paraml.launch.launch` uses for local runs.
+    :func:`paraml.cluster.launch.launch` uses for local runs.
 
     Args:
         addresses: ``"host:port"`` of every worker, in index order.

@@ -1,6 +1,7 @@
 """The epoch iterator: which batches an epoch takes, through the backend's distributed iterator, and the counters.
 
-Keras' rules, owned here so that the loop in :mod:`paraml.training` only asks "how many steps next?" and "run them":
+Keras' rules, owned here so that the loop in :mod:`paraml.loop.training` only asks "how many steps next?" and "run
+them":
 
 - An epoch is ``source.steps`` batches when that is known (``steps_per_epoch`` or the data's length), else it ends
   with the data.
@@ -17,8 +18,8 @@ from typing import Any, TypeVar
 
 import tensorflow as tf
 
-from .backends.base import Backend
-from .data import GlobalBatches
+from paraml.backends.base import Backend
+from paraml.loop.batches import GlobalBatches
 
 __all__ = ["EpochIterator"]
 

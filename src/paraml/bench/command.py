@@ -4,7 +4,7 @@ For a model (a preset or ``MODULE:FUNCTION``) and each backend at 1, 2 and 4 dev
 (samples/s, the median of several timed windows after warm-up), step time, time to the first step (tracing), the
 bytes of variables on each device and the process's peak memory. Every variant is timed two ways: the steady-state
 step and the whole ``fit`` call divided by its steps, whose difference is the fixed cost a ``fit`` call pays
-(``fixed_ms``); see :mod:`paraml.benchmark`, the harness that times it (and every script in ``benchmarks/``).
+(``fixed_ms``); see :mod:`paraml.bench.harness`, the harness that times it (and every script in ``benchmarks/``).
 
 Baselines, run next to paraml: plain Keras ``model.compile(); model.fit()`` on one device with no strategy (what users
 compare with), Keras ``fit`` under a ``MirroredStrategy`` on the same devices and a hand-written ``strategy.run``
@@ -12,7 +12,7 @@ loop; and, where TensorFlow allows it (``single``, ``mirrored``), paraml with ``
 replica step). The ratios (paraml / Keras, XLA / no XLA) are medians of per-window ratios: timings on shared machines
 are noisy, so all variants run in one process with their windows interleaved.
 
-``multi_worker`` runs through ``paraml launch`` with 2 local workers running ``_bench_worker.py``
+``multi_worker`` runs through ``paraml launch`` with 2 local workers running ``bench/_worker.py``
 (:func:`worker_main`), which ``benchmarks/bench_multi_worker.py`` runs too.
 """
 
@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .benchmark import (
+from paraml.bench.harness import (
     GLOBAL_BATCH,
     HANDWRITTEN,
     KERAS_MIRRORED,
@@ -48,8 +48,8 @@ from .benchmark import (
     time_variants,
     write_json,
 )
-from .checks import check_int
-from .sizes import format_bytes
+from paraml.checks import check_int
+from paraml.planning.sizes import format_bytes
 
 __all__ = [
     "MARKER",
@@ -68,7 +68,7 @@ __all__ = [
 XLA_BACKENDS = ("single", "mirrored")
 
 #: The script each ``multi_worker`` worker runs (under ``paraml launch``): :func:`worker_main`.
-WORKER = Path(__file__).with_name("_bench_worker.py")
+WORKER = Path(__file__).with_name("_worker.py")
 #: What the chief prints before its result (JSON) on the line it prints it.
 MARKER = "PARAML_BENCH_RESULT "
 
@@ -112,7 +112,7 @@ def _multi_worker(
     """``multi_worker`` with 2 local workers through the launcher; the chief prints its result as JSON."""
     import io
 
-    from .launch import launch
+    from paraml.cluster.launch import launch
 
     progress("multi_worker@2x1: starting 2 workers with paraml launch")
     captured = io.StringIO()
@@ -128,7 +128,7 @@ def worker_main(argv: Sequence[str] | None = None) -> None:
     """One process timing paraml's ``fit`` on its own: a ``multi_worker`` worker (under ``paraml launch``) or
     ``mirrored`` on 2 devices. The chief prints ``PARAML_BENCH_RESULT {json}``: every worker runs the same
     synchronous steps, so its times are the cluster's."""
-    parser = argparse.ArgumentParser(prog="_bench_worker.py")
+    parser = argparse.ArgumentParser(prog="bench/_worker.py")
     parser.add_argument("--strategy", choices=("multi_worker", "mirrored"), required=True)
     parser.add_argument("--model", default="mlp", help=f"a preset ({', '.join(PRESETS)}) or MODULE:FUNCTION")
     parser.add_argument("--batch-size", type=int_at_least(1), default=GLOBAL_BATCH, help="global batch")
@@ -144,7 +144,7 @@ def worker_main(argv: Sequence[str] | None = None) -> None:
     if args.strategy == "multi_worker":
         spec = Spec("multi_worker", None)
     else:
-        from .devices import ensure_devices
+        from paraml.devices import ensure_devices
 
         ensure_devices(2)
         spec = Spec("mirrored", 2)
@@ -172,7 +172,7 @@ RATIOS: dict[str, tuple[str, str]] = {
 
 
 def compute_ratios(results: Sequence[BenchResult], devices: int = 2, metric: str = "step_ms") -> dict[str, float]:
-    """The ratios of ``metric`` (one of :data:`paraml.benchmark.METRICS`), each the median of per-window ratios:
+    """The ratios of ``metric`` (one of :data:`paraml.bench.harness.METRICS`), each the median of per-window ratios:
     :data:`RATIOS` (data-parallel rows on ``devices`` devices), ``xla_vs_no_xla_<row>`` for every paraml row with an
     XLA twin, and ``best_single_vs_keras_fit_single`` / ``best_mirrored_vs_keras_fit_mirrored`` (the faster of the
     XLA and plain variant)."""
@@ -225,7 +225,7 @@ def run_bench(
         import tensorflow as tf
 
         tf.config.threading.set_intra_op_parallelism_threads(threads_per_device)
-    from .devices import ensure_devices
+    from paraml.devices import ensure_devices
 
     ensure_devices(max(devices))
     model_fn, shape, kind = resolve_model(model)

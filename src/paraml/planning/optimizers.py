@@ -20,7 +20,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .sizes import nbytes
+from paraml.planning.sizes import nbytes
 
 if TYPE_CHECKING:  # pragma: no cover
     import keras

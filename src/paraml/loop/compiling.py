@@ -17,12 +17,12 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from .backends.base import Backend
-from .checks import did_you_mean
-from .optimizers import fresh_optimizer
-from .tensor_parallel import is_split, split_logits_loss, tag_slots, trained_variables
-from .units import nested_layers
-from .zero import sharded_optimizer
+from paraml.backends.base import Backend
+from paraml.checks import did_you_mean
+from paraml.parallelism.tensor_parallel import is_split, split_logits_loss, tag_slots, trained_variables
+from paraml.parallelism.zero import sharded_optimizer
+from paraml.planning.observe import nested_layers
+from paraml.planning.optimizers import fresh_optimizer
 
 __all__ = ["Compiled", "check_compile_names", "compile_model", "decide_xla", "extra_optimizers", "overrides"]
 

@@ -25,7 +25,7 @@ This module does not import TensorFlow.
 Example (runnable; the signal is sent to this very process):
 
     >>> import os, signal
-    >>> from paraml.preemption import PreemptionGuard, Preempted
+    >>> from paraml.loop.preemption import PreemptionGuard, Preempted
     >>> with PreemptionGuard() as guard:
     ...     os.kill(os.getpid(), signal.SIGTERM)   # what a scheduler does
     ...     guard.requested, guard.signal_name
@@ -46,7 +46,7 @@ from collections.abc import Iterable
 from types import FrameType, TracebackType
 from typing import Any
 
-from .checks import check_int
+from paraml.checks import check_int
 
 __all__ = [
     "EXIT_SIGINT",

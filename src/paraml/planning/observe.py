@@ -7,7 +7,8 @@ gives the pipeline order and, per unit, its **activations**: the bytes of the te
 gradient reads, i.e. what the step keeps alive for the backward pass (the tensors are counted in the traced graph; a
 ``while`` loop's per-step accumulators by their length after one run). Two batch sizes separate bytes that grow with
 the batch from bytes that do not (:class:`RowBytes`). :func:`unit_costs` turns an :class:`Observation` into the
-:class:`paraml.partition.LayerCost` list the planners take, and :func:`observation_notes` says what the numbers rest
+:class:`paraml.planning.partition.LayerCost` list the planners take, and :func:`observation_notes` says what the
+numbers rest
 on.
 
 Importing this module is cheap: Keras and TensorFlow are imported inside the functions that need them.
@@ -26,9 +27,9 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .checks import check_int
-from .partition import LayerCost
-from .sizes import dtype_size, nbytes
+from paraml.checks import check_int
+from paraml.planning.partition import LayerCost
+from paraml.planning.sizes import dtype_size, nbytes
 
 __all__ = [
     "PROBE_DIMS",
@@ -554,7 +555,7 @@ def observe_units(
             dimensions (a sequence length) tried at each size of :data:`PROBE_DIMS`: give a sample whenever the
             sequence length or image size matters.
         recompute: Also measure each unit's activations when it is recomputed in the backward pass: the context
-            under which the model's units recompute (:func:`paraml.remat.recomputing`, given by the caller).
+            under which the model's units recompute (:func:`paraml.parallelism.remat.recomputing`, given by the caller).
 
     When the model cannot be called, the units come in declaration order with no activations and ``problem`` says
     why; when its gradient cannot be traced, the activations are the units' outputs and ``gradient_problem`` says
@@ -621,7 +622,7 @@ def _first_line(error: Exception) -> str:
 
 
 def unit_costs(observation: Observation, batch_size: int, *, remat: bool = False) -> list[LayerCost]:
-    """One :class:`paraml.partition.LayerCost` per unit of ``observation``, in its (pipeline) order.
+    """One :class:`paraml.planning.partition.LayerCost` per unit of ``observation``, in its (pipeline) order.
 
     ``param_bytes`` counts all of a unit's variables (trainable and not) once; ``activation_bytes`` is what its
     forward keeps for the backward pass (recomputed if ``remat`` and that was measured), for ``batch_size`` rows.

@@ -32,7 +32,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from .checks import check_int
+from paraml.checks import check_int
 
 __all__ = ["GlobalBatches", "global_batches", "input_kind", "split_validation", "zeros_like_spec"]
 

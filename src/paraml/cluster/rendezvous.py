@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .cluster import CONNECT_TIMEOUT_ENV, ClusterConfigError
+from paraml.cluster.config import CONNECT_TIMEOUT_ENV, ClusterConfigError
 
 __all__ = ["Rendezvous", "join_address", "split_address"]
 
@@ -43,7 +43,7 @@ _POLL_SECONDS = 0.1  # between checks while waiting for the master's verdict (si
 
 def split_address(text: str, variables: str) -> tuple[str, int]:
     """``"host:port"`` (``"[v6]:port"`` too) as ``(host, port)``; a malformed value is a
-    :class:`~paraml.cluster.ClusterConfigError` naming ``variables`` (where the value came from).
+    :class:`~paraml.cluster.config.ClusterConfigError` naming ``variables`` (where the value came from).
 
     Example:
         >>> split_address("[::1]:2222", "--master")
@@ -175,7 +175,7 @@ class Rendezvous:
         host is then ``host``, else the master's host for rank 0, else the address this rank reaches the master from.
 
         Rank 0 listens on the master's port (on every interface) and waits for every other rank; the others retry
-        connecting until it answers. Raises :class:`~paraml.cluster.ClusterConfigError` after ``timeout`` seconds
+        connecting until it answers. Raises :class:`~paraml.cluster.config.ClusterConfigError` after ``timeout`` seconds
         (None: no limit) naming the ranks that never joined or the master that never answered, or when the ranks
         disagree (another ``size`` or ``round``, a rank twice). ``round`` tells a restart's exchange from the last.
         """

@@ -1,8 +1,8 @@
 """The one training loop: epochs, callbacks, History and Progbar; evaluate and predict; for every backend.
 
 Keras 3's ``model.fit`` breaks under ``MultiWorkerMirroredStrategy`` (keras-team/keras#20585), so paraml runs its
-own loop: each execution is a ``tf.function`` of :class:`paraml.replica.ReplicaStep` that runs
-``backend.run(replica_step, batch)``; :class:`paraml.epochs.EpochIterator` says which batches an epoch takes. This
+own loop: each execution is a ``tf.function`` of :class:`paraml.loop.steps.ReplicaStep` that runs
+``backend.run(replica_step, batch)``; :class:`paraml.loop.epochs.EpochIterator` says which batches an epoch takes. This
 module only drives them and Keras' callbacks.
 """
 
@@ -15,10 +15,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from .backends.base import Backend
-from .data import GlobalBatches
-from .epochs import EpochIterator
-from .replica import ReplicaStep
+from paraml.backends.base import Backend
+from paraml.loop.batches import GlobalBatches
+from paraml.loop.epochs import EpochIterator
+from paraml.loop.steps import ReplicaStep
 
 __all__ = ["ProgressHook", "Trainer", "should_validate"]
 

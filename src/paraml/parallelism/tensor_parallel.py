@@ -201,7 +201,7 @@ class TensorPlan:
 
     def split_bytes(self, layer: Any) -> int:
         """Bytes of ``layer``'s variables (its sublayers' included) that are split."""
-        from .sizes import nbytes
+        from paraml.planning.sizes import nbytes
 
         return sum(nbytes(v) for v in layer.variables if id(v) in self.axes)
 
@@ -326,7 +326,7 @@ def _dense_edges(model: Any, dense: list[Any], sample: Any) -> list[tuple[int, i
     """Pairs (i, j) of ``dense`` layers where layer j's input is layer i's output, in the order of one traced call."""
     import tensorflow as tf
 
-    from .units import probe_inputs
+    from paraml.planning.observe import probe_inputs
 
     produced: dict[int, tuple[Any, int]] = {}
     edges: list[tuple[int, int]] = []
@@ -382,7 +382,7 @@ def plan_splits(model: Any, tensor: int, sample: Any = None) -> TensorPlan:
     """
     import keras
 
-    from .checks import check_int
+    from paraml.checks import check_int
 
     check_int("tensor_parallel", tensor)
     plan = TensorPlan(tensor)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .checks import check_choice, check_int
+from paraml.checks import check_choice, check_int
 
 __all__ = ["SCHEDULES", "Schedule"]
 

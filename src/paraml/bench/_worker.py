@@ -3,6 +3,6 @@
 
 import sys
 
-from paraml.bench import worker_main
+from paraml.bench.command import worker_main
 
 worker_main(sys.argv[1:])

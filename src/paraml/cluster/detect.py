@@ -24,7 +24,8 @@ SLURM_JOB_ID % 10000`` under Slurm (so that two jobs on one node differ, as Ligh
 this process's index, or :func:`detect_cluster` raises, naming both. ``PARAML_SCHEDULER=<name>`` reads that source
 alone (``paraml launch`` sets ``PARAML_SCHEDULER=launch`` for its workers: its ``TF_CONFIG``, nested in a scheduler).
 
-Pure Python: no TensorFlow. Errors are :class:`~paraml.cluster.ClusterConfigError` naming the variables and how to
+Pure Python: no TensorFlow. Errors are :class:`~paraml.cluster.config.ClusterConfigError` naming the variables and how
+to
 set ``TF_CONFIG`` instead.
 
 Example:
@@ -45,7 +46,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .cluster import (
+from paraml.cluster.config import (
     CLUSTER_SPEC_ENV,
     ClusterConfigError,
     ClusterSpecInfo,
@@ -54,7 +55,7 @@ from .cluster import (
     parse_cluster_spec,
     parse_tf_config,
 )
-from .rendezvous import Rendezvous, join_address, split_address
+from paraml.cluster.rendezvous import Rendezvous, join_address, split_address
 
 __all__ = [
     "DEFAULT_PORT",
@@ -190,7 +191,7 @@ _MASTER_VARIABLES = {"mpi": MASTER_ENV, "kubeflow": "PET_MASTER_ADDR, PET_MASTER
 
 
 def _free_port() -> int:
-    from .launch import find_free_ports
+    from paraml.cluster.launch import find_free_ports
 
     return find_free_ports(1, "")[0]
 
@@ -420,7 +421,7 @@ def detect_cluster(environ: Mapping[str, str] | None = None) -> Cluster | None:
     if forced:
         sources = {**_SOURCES, **_FORCED_ONLY}
         if forced not in sources:
-            from .checks import did_you_mean
+            from paraml.checks import did_you_mean
 
             raise ClusterConfigError(
                 f"{SCHEDULER_ENV}={forced!r}{did_you_mean(forced, sources)} is not a source paraml reads; "
@@ -479,7 +480,7 @@ def setup_tf_config(
     environ: MutableMapping[str, str] | None = None, *, required: bool = False
 ) -> ClusterSpecInfo | None:
     """Detect the cluster (:func:`detect_cluster`), exchange its addresses if needed (bounded by
-    :func:`~paraml.cluster.connect_timeout`), and set ``TF_CONFIG`` in ``environ`` (``os.environ``) from it, so
+    :func:`~paraml.cluster.config.connect_timeout`), and set ``TF_CONFIG`` in ``environ`` (``os.environ``) from it, so
     that TensorFlow (and any child process) reads the same cluster. Returns the parsed ``TF_CONFIG``, or None
     without a cluster (``required``: raise :func:`no_cluster_message` instead).
 

@@ -216,7 +216,7 @@ def whole_state(optimizer: keras.optimizers.Optimizer) -> list[Any]:
     A slot held by another worker (``multi_worker`` with ``shard_optimizer=True``) is gathered from it into a
     temporary variable on the host: every worker must call this together (it is a collective).
     """
-    from .tensor_parallel import saved_state
+    from paraml.parallelism.tensor_parallel import saved_state
 
     variables, slots = optimizer.variables, _slots(optimizer)
     if all(s is None for s in slots):
@@ -243,7 +243,7 @@ def whole_state(optimizer: keras.optimizers.Optimizer) -> list[Any]:
 def restorable_state(optimizer: keras.optimizers.Optimizer) -> list[tuple[Any | None, tuple[int, ...]]]:
     """Each of ``optimizer.variables`` as a restore fills it, by position: the variable (None where the slot is
     another worker's) and its whole shape."""
-    from .tensor_parallel import saved_state
+    from paraml.parallelism.tensor_parallel import saved_state
 
     slots = _slots(optimizer)
     if all(s is None for s in slots):

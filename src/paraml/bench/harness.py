@@ -39,9 +39,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any
 
-from .checks import check_int
-from .loading import load_object
-from .memory import variable_bytes_by_device
+from paraml.bench.loading import load_object
+from paraml.checks import check_int
+from paraml.memory import variable_bytes_by_device
 
 __all__ = [
     "GLOBAL_BATCH",
@@ -138,7 +138,7 @@ def _transformer() -> Any:
 
 def _digits() -> Any:
     """The demo's small model, where the per-step overhead weighs most."""
-    from .demo import digits_model
+    from paraml.demo import digits_model
 
     return digits_model()
 
@@ -361,7 +361,7 @@ class Variant:
 def make_parallel(spec: Spec) -> Any:
     """``paraml.Parallel`` of ``spec`` (seed 0). Under ``multi_worker``, create it before anything touches
     TensorFlow's devices and pass it to :func:`build_variant`."""
-    from .parallel import Parallel
+    from paraml.parallel import Parallel
 
     if spec.strategy in BASELINES:
         raise ValueError(f"{spec.strategy!r} is a baseline, not a paraml strategy")
@@ -400,7 +400,7 @@ def _paraml_variant(spec: Spec, work: Workload, par: Any) -> Variant:
 def _mirrored_strategy(devices: int) -> Any:
     import tensorflow as tf
 
-    from .devices import list_devices
+    from paraml.devices import list_devices
 
     available = list_devices()
     if len(available) < devices:

@@ -7,7 +7,7 @@ streams their output with a ``[worker i]`` prefix, and supervises them.
 On several machines, ``paraml launch --nnodes N --node-rank R --master HOST:PORT -n K``
 runs on each: node 0 listens on the master's port, the others send it their workers'
 addresses, and every node gets the whole list before any worker starts
-(:mod:`paraml.rendezvous`). The connections stay open while the workers run, so a
+(:mod:`paraml.cluster.rendezvous`). The connections stay open while the workers run, so a
 failure on one node stops every node, and a restart restarts every node.
 
 Why a supervisor is needed: when one worker of a TensorFlow multi-worker run dies,
@@ -25,7 +25,7 @@ POSIX only (process groups, ``killpg``). This module does not import TensorFlow.
 
 Example:
     >>> import sys
-    >>> from paraml.launch import launch
+    >>> from paraml.cluster.launch import launch
     >>> code = launch("train.py", ["--epochs", "1"], num_workers=2)  # doctest: +SKIP
 """
 
@@ -44,9 +44,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import IO, TextIO
 
 from paraml.checks import check_int
-from paraml.cluster import connect_timeout, make_tf_config
-from paraml.logs import is_tensorflow_noise, show_all_logs
-from paraml.rendezvous import Rendezvous, split_address
+from paraml.cluster.config import connect_timeout, make_tf_config
+from paraml.cluster.logs import is_tensorflow_noise, show_all_logs
+from paraml.cluster.rendezvous import Rendezvous, split_address
 
 __all__ = [
     "PortUnavailableError",
@@ -466,7 +466,7 @@ def launch(
     Raises:
         ValueError: ``num_workers < 1``, ``max_restarts < 0``, ``stop_timeout < 0``,
             a port range out of 1..65535, a ``node_rank`` out of range, ``nnodes > 1`` without a
-            valid ``master``, or (a :class:`~paraml.cluster.ClusterConfigError`) an exchange that
+            valid ``master``, or (a :class:`~paraml.cluster.config.ClusterConfigError`) an exchange that
             failed or timed out.
         TypeError: ``args`` is a single string instead of a sequence of strings.
         FileNotFoundError: ``script`` does not exist.
@@ -673,7 +673,7 @@ def _run_isolated(prefix: list[str], ns: argparse.Namespace) -> int:
     argv = ["-n", str(ns.num_workers), "--stop-timeout", str(ns.stop_timeout), "--no-isolate-network"]
     argv += ["--max-restarts", str(getattr(ns, "max_restarts", 0))]
     argv += ["--port", str(ns.port)] if ns.port is not None else []
-    command = [*prefix, sys.executable, "-u", "-m", "paraml.launch", *argv, ns.script, *ns.script_args]
+    command = [*prefix, sys.executable, "-u", "-m", "paraml.cluster.launch", *argv, ns.script, *ns.script_args]
     main_thread = threading.current_thread() is threading.main_thread()
     inner: subprocess.Popen[bytes] | None = None
 
@@ -767,7 +767,7 @@ def run_from_args(ns: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``paraml launch`` / ``python -m paraml.launch``.
+    """Entry point of ``paraml launch`` / ``python -m paraml.cluster.launch``.
 
     Returns the process exit code instead of exiting, so it can be tested and reused.
 
