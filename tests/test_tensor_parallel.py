@@ -78,7 +78,7 @@ def test_tensor_parallel_over_two_devices_trains_as_single(model_fn, data, loss)
     assert_same_training(par, reference, got, want, data()[0])
     assert par.backend.topology.layout.tensor == 2 and par.backend.topology.layout.stages == 1
     assert largest_share(par) <= 0.6  # embeddings included
-    kinds = {s.kind for s in par.backend.tensor_plan.splits}
+    kinds = {s.kind for s in par.backend.plan.splits.splits}
     assert kinds == ({"columns", "rows"} if model_fn is mlp else {"columns", "rows", "heads", "vocab"})
 
 
@@ -100,7 +100,7 @@ def test_llama_with_grouped_query_attention_trains_as_single():
     reference, want = trained("single", llama, token_data(), cross_entropy)
     par, got = trained("model_parallel", llama, token_data(), cross_entropy, devices=2, tensor_parallel=2)
     assert_same_training(par, reference, got, want, token_data()[0])
-    kinds = {s.layer.split("/")[-1]: s.kind for s in par.backend.tensor_plan.splits}
+    kinds = {s.layer.split("/")[-1]: s.kind for s in par.backend.plan.splits.splits}
     assert kinds["self_attention"] == "heads" and kinds["token_embedding"] == "vocab"
     assert kinds["feedforward_gate_dense"] == "columns"  # gate * up between the layers: joined, then split again
     assert largest_share(par) <= 0.6

@@ -1,35 +1,81 @@
-"""Keras masks on tensors: read, and carried over when paraml joins micro-batches' outputs.
+"""The one door to Keras' and TensorFlow's internals: every private attribute, method, module or protocol paraml
+relies on is read here, and only here.
 
-Keras keeps a layer output's mask (``Embedding(mask_zero=True)``, ``Masking``) on the tensor itself, and its losses
-and metrics read it from ``y_pred``. A tensor made by ``tf.concat`` or returned by a ``tf.cond`` has none, so a
-backend that joins micro-batches' outputs sets the joined mask again.
+Each access is one small named function (or constant) whose docstring says what it reads and why no public API
+serves. tests/test_internals.py pins each one against the installed Keras and TensorFlow, so that a release that
+changes one fails there, with a message naming the function to update, instead of somewhere inside a training
+step. docs/tensorflow-notes.md ("Versions and internals") lists them with the versions tested.
+
+Tested with TensorFlow 2.21 and Keras 3.15 (keras-hub 0.32 in the tests).
+
+Importing this module is cheap: Keras and TensorFlow are imported inside the functions that need them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-import tensorflow as tf
+if TYPE_CHECKING:
+    import tensorflow as tf
 
-__all__ = ["concat_with_masks", "keras_mask", "keras_masks"]
+__all__ = [
+    "DISTRIBUTED_UPDATE_STEP",
+    "SAVEABLE_METHODS",
+    "VARIABLE_VALUE_KEY",
+    "attention_projections",
+    "concat_with_masks",
+    "direct_sublayers",
+    "distributed_update_step",
+    "flatten_layers",
+    "has_distributed_update_step",
+    "keras_mask",
+    "keras_masks",
+    "optimizer_strategy",
+    "optimizer_variable_list",
+    "own_trainable_variables",
+    "resource_variable",
+    "shift_collective_keys",
+    "tensor_list_element_dtype",
+    "trackable_base",
+    "uses_gate",
+    "while_body_graph",
+]
 
-#: The attribute Keras' TensorFlow backend keeps a tensor's mask in (``keras.src.backend.get_keras_mask``).
+
+# -- Keras masks on tensors --------------------------------------------------------------------------------------------
+# Keras keeps a layer output's mask (``Embedding(mask_zero=True)``, ``Masking``) on the tensor itself, and its losses
+# and metrics read it from ``y_pred``. A tensor made by ``tf.concat`` or returned by a ``tf.cond`` has none, so a
+# backend that joins micro-batches' outputs sets the joined mask again.
+
+#: The attribute Keras' TensorFlow backend keeps a tensor's mask in (``keras.src.backend.get_keras_mask``; Keras has
+#: no public function to read or set it).
 _ATTRIBUTE = "_keras_mask"
 
 
 def keras_mask(tensor: Any) -> tf.Tensor | None:
-    """The Keras mask of ``tensor``, or None."""
+    """The Keras mask of ``tensor``, or None.
+
+    Reads the tensor's ``_keras_mask`` attribute: Keras' ``get_keras_mask`` lives in ``keras.src`` only.
+    """
     return getattr(tensor, _ATTRIBUTE, None)
 
 
 def keras_masks(outputs: Any) -> list[tf.Tensor | None]:
     """The Keras masks of ``outputs`` (a structure of tensors), flat, None where a tensor has none."""
+    import tensorflow as tf
+
     return [keras_mask(t) for t in tf.nest.flatten(outputs)]
 
 
 def concat_with_masks(parts: list[Any], masks: list[list[tf.Tensor | None]]) -> Any:
     """``parts`` (structures of tensors) joined along the batch axis; a joined tensor gets the joined mask when every
-    part's tensor had one (``masks``: each part's :func:`keras_masks`)."""
+    part's tensor had one (``masks``: each part's :func:`keras_masks`).
+
+    Sets the joined tensor's ``_keras_mask``: Keras' ``set_keras_mask`` lives in ``keras.src`` only.
+    """
+    import tensorflow as tf
+
     flat_parts = [tf.nest.flatten(part) for part in parts]
     joined = []
     for i in range(len(flat_parts[0])):
@@ -39,3 +85,166 @@ def concat_with_masks(parts: list[Any], masks: list[list[tf.Tensor | None]]) -> 
             setattr(tensor, _ATTRIBUTE, tf.concat(pieces, axis=0))
         joined.append(tensor)
     return tf.nest.pack_sequence_as(parts[0], joined)
+
+
+# -- tf.distribute -----------------------------------------------------------------------------------------------------
+def shift_collective_keys(strategy_class: type, by: int) -> bool:
+    """Make the next instances of ``strategy_class`` (``tf.distribute.MirroredStrategy``) number their collective
+    groups ``by`` further on; False (and nothing changed) when this TensorFlow has no such setting.
+
+    Writes the class attribute ``_collective_key_base``, which each new strategy's ``extended`` copies and adds to
+    its group keys. Every MirroredStrategy otherwise starts from the same key, so a second one over other devices in
+    the same process joins the first one's groups; TensorFlow offers no public way to choose the keys (its own test
+    combinations shift this attribute for the same reason).
+    """
+    if not hasattr(strategy_class, "_collective_key_base"):
+        return False
+    strategy_class._collective_key_base += by
+    return True
+
+
+def resource_variable(**kwargs: Any) -> tf.Variable:
+    """A plain TensorFlow resource variable made from ``kwargs`` (``tf.Variable``'s), past every variable creator:
+    inside a strategy's scope it is neither mirrored nor placed by the strategy (``tf.device`` places it).
+
+    Constructs ``tensorflow.python.ops.resource_variable_ops.ResourceVariable`` directly: a variable creator that
+    makes its own variable cannot call ``tf.Variable(...)`` (that enters the creator stack again, the strategy's
+    creator and itself included), and TensorFlow exports no public class that skips the stack.
+    """
+    from tensorflow.python.ops.resource_variable_ops import ResourceVariable
+
+    return ResourceVariable(**kwargs)
+
+
+# -- Keras optimizers on TensorFlow ------------------------------------------------------------------------------------
+#: The method through which Keras' TensorFlow optimizer (``keras.src.backend.tensorflow.optimizer.TFOptimizer``) hands
+#: each (gradient, variable) to the strategy for its update, in cross-replica context: ``(self, distribution,
+#: grads_and_vars, learning_rate)``. A subclass overrides it under this name to place the updates; Keras has no public
+#: hook between the all-reduce and the per-variable updates.
+DISTRIBUTED_UPDATE_STEP = "_distributed_tf_update_step"
+
+
+def has_distributed_update_step(optimizer_class: type) -> bool:
+    """Whether ``optimizer_class`` updates its variables one by one through the strategy in
+    :data:`DISTRIBUTED_UPDATE_STEP` (every Keras optimizer on the TensorFlow backend)."""
+    return hasattr(optimizer_class, DISTRIBUTED_UPDATE_STEP)
+
+
+def distributed_update_step(optimizer_class: type) -> Callable[..., Any]:
+    """``optimizer_class``'s own :data:`DISTRIBUTED_UPDATE_STEP` (unbound), for an override to call for the variables
+    it leaves to Keras: ``distributed_update_step(base)(self, distribution, grads_and_vars, learning_rate)``."""
+    return getattr(optimizer_class, DISTRIBUTED_UPDATE_STEP)
+
+
+def optimizer_strategy(optimizer: Any) -> tf.distribute.Strategy:
+    """The strategy a Keras optimizer was created under (it runs its updates through it).
+
+    Reads ``optimizer._distribution_strategy``, which Keras' TensorFlow optimizer sets in ``__init__`` from
+    ``tf.distribute.get_strategy()``; Keras exposes no public attribute for it, and the current strategy where the
+    optimizer is used may be another one.
+    """
+    return optimizer._distribution_strategy
+
+
+def optimizer_variable_list(optimizer: Any) -> Any:
+    """A Keras optimizer's own list of its variables (a TensorFlow trackable list), or None when it has none.
+
+    Reads ``optimizer._variables``. The public ``optimizer.variables`` is a copy (a plain list): a TensorFlow
+    checkpoint given the optimizer's own list restores each variable, by position, when the optimizer creates it
+    later (at its first update); given the copy, it sees only the variables that exist at restore time.
+    """
+    return getattr(optimizer, "_variables", None)
+
+
+# -- TensorFlow checkpoints: the saveable protocol ---------------------------------------------------------------------
+def trackable_base() -> type:
+    """The base class an object needs to be saved by a TensorFlow checkpoint with tensors of its own
+    (``tf.__internal__.tracking.Trackable``).
+
+    ``tf.Module`` (public) is an auto-trackable: it would save the variables it holds as dependencies too, each
+    under its own key, where a checkpoint should see one tensor.
+    """
+    import tensorflow as tf
+
+    return tf.__internal__.tracking.Trackable
+
+
+#: The methods of :func:`trackable_base` a subclass overrides to save and restore its own tensors (TensorFlow's
+#: "saveable" protocol, private): ``_serialize_to_tensors(self) -> {key: tensor}`` and
+#: ``_restore_from_tensors(self, restored_tensors)``.
+SAVEABLE_METHODS = ("_serialize_to_tensors", "_restore_from_tensors")
+
+#: The key under which a plain TensorFlow variable saves its value in :data:`SAVEABLE_METHODS` (TensorFlow's
+#: ``trackable.constants.VARIABLE_VALUE_KEY``): an object that saves its tensor under it restores into a variable,
+#: and the other way round.
+VARIABLE_VALUE_KEY = "VARIABLE_VALUE"
+
+
+# -- Keras layers ------------------------------------------------------------------------------------------------------
+def flatten_layers(layer: Any) -> list[Any]:
+    """Every layer nested in ``layer`` (not itself), at any depth, each once, in Keras' tracking order.
+
+    Calls ``layer._flatten_layers(include_self=False, recursive=True)``: ``Model.layers`` lists one level only, and
+    a plain ``Layer`` (a keras_hub block) has no public list of its sublayers.
+    """
+    return list(layer._flatten_layers(include_self=False, recursive=True))
+
+
+def own_trainable_variables(layer: Any) -> list[Any]:
+    """The trainable variables ``layer`` created itself, without its sublayers'.
+
+    Reads ``layer._trainable_variables``: the public ``trainable_variables`` includes every sublayer's.
+    """
+    return layer._trainable_variables
+
+
+def direct_sublayers(layer: Any) -> list[Any]:
+    """The layers ``layer`` tracks directly (its attributes and lists of layers, one level).
+
+    Reads ``layer._layers``: a plain ``Layer`` has no public ``layers``.
+    """
+    return layer._layers
+
+
+def uses_gate(layer: Any) -> bool:
+    """Whether an attention layer has a gate projection (``MultiHeadAttention(use_gate=True)``).
+
+    Reads ``layer._use_gate``: keras_hub's attention classes keep no ``use_gate`` in their config.
+    """
+    return bool(getattr(layer, "_use_gate", False))
+
+
+def attention_projections(layer: Any) -> dict[str, Any] | None:
+    """An attention layer's projections (``EinsumDense`` layers) by role: ``query``, ``key``, ``value``, ``gate``
+    (when :func:`uses_gate`) and ``output``, in that order; None when one is missing (not an attention layer laid out
+    as Keras' ``MultiHeadAttention``, or not built).
+
+    Reads ``layer._query_dense``, ``_key_dense``, ``_value_dense``, ``_gate_dense`` and ``_output_dense``, the names
+    ``keras.layers.MultiHeadAttention`` and keras_hub's attention classes (Llama's) give their projections; no
+    public attribute exposes them.
+    """
+    roles = ["query", "key", "value", *(["gate"] if uses_gate(layer) else []), "output"]
+    found = {role: getattr(layer, f"_{role}_dense", None) for role in roles}
+    return None if any(dense is None for dense in found.values()) else found
+
+
+# -- TensorFlow graphs -------------------------------------------------------------------------------------------------
+def while_body_graph(op: Any) -> Any:
+    """The body's graph of a ``While`` op made by ``tf.while_loop`` (while_v2), or None for any other op.
+
+    Reads ``op._body_graph``, which while_v2 sets on the op it builds; a graph's ops expose only the function's
+    name, not its Python graph.
+    """
+    return getattr(op, "_body_graph", None)
+
+
+def tensor_list_element_dtype(handle: Any) -> tf.DType:
+    """The element dtype of the TensorList ``handle`` (a graph tensor of dtype variant), from the handle data
+    TensorFlow's shape inference attached to it. Raises when it has none.
+
+    Calls ``tensorflow.python.ops.handle_data_util.get_resource_handle_data``: the handle data has no public API.
+    """
+    import tensorflow as tf
+    from tensorflow.python.ops import handle_data_util
+
+    return tf.as_dtype(handle_data_util.get_resource_handle_data(handle).shape_and_type[0].dtype)

@@ -12,7 +12,6 @@ import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,6 @@ import tensorflow as tf
 from paraml import backends
 from paraml.auto import AUTO_OPTIONS, AutoChoice
 from paraml.backends.base import Backend
-from paraml.backends.model_parallel import ModelParallelBackend
 from paraml.checks import check_int, check_verbose, did_you_mean
 from paraml.devices import no_gpu_reason
 from paraml.loop.batches import GlobalBatches, global_batches, split_validation, zeros_like_spec
@@ -30,8 +28,7 @@ from paraml.loop.checkpoint import Checkpointing, CheckpointState, restore_check
 from paraml.loop.compiling import check_compile_names, compile_model, extra_optimizers, overrides
 from paraml.loop.training import Trainer
 from paraml.memory import memory_by_device
-from paraml.parallelism.remat import recompute_units
-from paraml.planning.partition import PartitionPlan
+from paraml.planning.plan import ParallelPlan
 from paraml.planning.sizes import format_bytes
 
 __all__ = ["Parallel"]
@@ -117,7 +114,6 @@ class Parallel:
         if not isinstance(remat, bool):
             raise ValueError(f"remat must be True or False, got {remat!r}")
         self.remat = remat
-        self._recomputed: list[str] = []  # the units whose activations are recomputed (remat=True)
         self._xla_reason = "jit_compile=False: no XLA"
         self._trainer: Trainer | None = None
         self._model: keras.Model | None = None
@@ -201,9 +197,11 @@ class Parallel:
         return self._require_model("model")
 
     @property
-    def plan(self) -> PartitionPlan | None:
-        """The stage plan of ``model_parallel`` after :meth:`build` (``None`` for data-parallel strategies)."""
-        return self.backend.plan if isinstance(self.backend, ModelParallelBackend) else None
+    def plan(self) -> ParallelPlan | None:
+        """The parallel plan after :meth:`build` (None before): the layout, the stages (``plan.stages``, empty for
+        data-parallel strategies), the tensor splits, the schedule, what is recomputed and sharded;
+        ``plan.describe()`` prints it."""
+        return self.backend.plan
 
     def explain(self) -> str:
         """Why this strategy: for ``"auto"``, the rule's decision with its numbers; otherwise, that it was asked for."""
@@ -215,8 +213,9 @@ class Parallel:
             chosen = f"strategy {self.strategy!r} was chosen by the caller"
         note = self._one_device_note()
         text = chosen + ("\n" + note if note else "") + "\n" + self._xla_reason
-        if self._recomputed:
-            text += f"\nremat=True: {len(self._recomputed)} units recompute their activations in the backward pass"
+        recomputed = self.backend.techniques.recomputed if self._model is not None else []
+        if recomputed:
+            text += f"\nremat=True: {len(recomputed)} units recompute their activations in the backward pass"
         return text
 
     def describe(self) -> str:
@@ -303,11 +302,6 @@ class Parallel:
                 "with its own train_step trains without one"
             )
         self._model, self._trainer = model, None
-        if self.remat:
-            self._recomputed = recompute_units(model)
-            # TensorFlow cannot differentiate a recomputed unit inside a tf.cond (its backward branch reads the
-            # variables again, which cond_v2 refuses): no replica or micro-batch is skipped in a cond.
-            self.backend.capabilities = replace(self.backend.capabilities, skips_empty_replicas=False)
         if model.weights:
             self._compile(compile_args)
         elif not self.backend.capabilities.builds_on_first_batch:
@@ -340,7 +334,7 @@ class Parallel:
 
     def _ready(self, action: str, source: GlobalBatches | None = None) -> Trainer:
         """The trainer; a model built lazily gets its weights from a zero batch shaped like ``source``'s first."""
-        self._require_model(action)
+        model = self._require_model(action)
         if self._trainer is None and self._pending_compile is not None:
             if source is None:
                 raise RuntimeError(
@@ -349,8 +343,8 @@ class Parallel:
                 )
             x = zeros_like_spec(source.dataset(0).element_spec)[0]
             with self.backend.scope():
-                self.backend.forward(self._model, x, training=False)
-            if not self._model.weights:
+                self.backend.forward(model, x, training=False)
+            if not model.weights:
                 raise ValueError("the model has no weights even after a call on the first batch: nothing to train")
             self._compile(self._pending_compile)
         assert self._trainer is not None
@@ -478,10 +472,11 @@ class Parallel:
             return
         tail = source.num_samples % source.batch_size
         stateful = [w.path for w in self.model.non_trainable_weights if w.dtype.startswith("float")]
+        plan = self.backend.plan
         parts, why = self.num_replicas, ["remat=True"] if self.remat else []
-        if isinstance(self.backend, ModelParallelBackend):
-            parts *= self.backend.micro_batches
-            why += ["schedule='1f1b'"] if self.backend.schedule.kind == "1f1b" else []
+        if plan is not None and plan.micro_batches > 1:
+            parts *= plan.micro_batches
+            why += ["schedule='1f1b'"] if plan.schedule is not None and plan.schedule.kind == "1f1b" else []
         if 0 < tail < parts and stateful:
             raise ValueError(
                 f"strategy {self.strategy!r}{' with ' + ' and '.join(why) if why else ''}: the last batch has {tail} "
@@ -523,7 +518,15 @@ class Parallel:
         """
         trainer = self._ready("save")
         state = CheckpointState(self._epochs_done, 0, self.seed or 0)
-        folder = save_checkpoint(path, trainer.model, trainer.optimizer, state, keep=keep, write=self.is_chief)
+        folder = save_checkpoint(
+            path,
+            trainer.model,
+            trainer.optimizer,
+            state,
+            keep=keep,
+            write=self.is_chief,
+            techniques=self.backend.techniques,
+        )
         if self.num_workers > 1:  # a collective: the others wait for the chief's write (they may restore it next)
             trainer.backend.across_workers(tf.constant(0))
         return folder
@@ -535,7 +538,7 @@ class Parallel:
         training stood: epochs done, steps into the next epoch, and the seed its data order came from.
         """
         trainer = self._ready("restore")
-        state = restore_checkpoint(path, trainer.model, trainer.optimizer)
+        state = restore_checkpoint(path, trainer.model, trainer.optimizer, self.backend.techniques)
         self._epochs_done = state.epoch
         return state
 

@@ -19,15 +19,16 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Protocol
 
 import keras
 import tensorflow as tf
 
-from paraml.checks import check_int
+from paraml.parallelism.apply import apply_plan
+from paraml.planning.plan import DeviceMesh, Layout, ParallelPlan
 
-__all__ = ["Backend", "Capabilities", "DeviceSpec", "Layout", "Objective", "Topology"]
+__all__ = ["Backend", "Capabilities", "DeviceSpec", "Layout", "Objective", "Techniques", "Topology"]
 
 #: What users pass as ``devices=``: None (all), a count, a device name or a sequence of names.
 DeviceSpec = None | int | str | Sequence[str]
@@ -40,39 +41,39 @@ DeviceSpec = None | int | str | Sequence[str]
 Objective = Callable[[Any, Any, Any, Any], tf.Tensor]
 
 
-@dataclass(frozen=True)
-class Layout:
-    """How the devices share one global batch: ``data`` replicas x ``stages`` pipeline stages x ``tensor`` shards.
+class Techniques(Protocol):
+    """What the loop asks of the plan's techniques once they are applied to the model
+    (:class:`paraml.parallelism.apply.AppliedPlan`): the loop reads them through the backend and imports none."""
 
-    ``data`` counts the copies of the model over all workers, each computing its slice of the global batch; a copy
-    spans ``stages * tensor`` devices.
+    plan: ParallelPlan
+    #: The names of the units that recompute their activations (``remat``).
+    recomputed: list[str]
 
-    >>> Layout(data=2, stages=2)
-    Layout(data=2, stages=2, tensor=1)
-    >>> str(Layout(data=4))
-    '4 data replicas x 1 stage x 1 tensor shard'
-    """
+    def trained_variables(self, model: keras.Model) -> list[Any]:
+        """The variables the gradient is taken for and the optimizer updates (a split weight's parts)."""
+        ...
 
-    data: int = 1
-    stages: int = 1
-    tensor: int = 1
+    def prepare_optimizer(self, optimizer: Any, model: keras.Model, topology: Topology) -> Any:
+        """``optimizer`` (made under the backend's scope) as the plan trains with it, built for the model."""
+        ...
 
-    def __post_init__(self) -> None:
-        for name in ("data", "stages", "tensor"):
-            check_int(f"Layout.{name}", getattr(self, name))
+    def build_optimizer(self, optimizer: Any, model: keras.Model) -> None:
+        """Create ``optimizer``'s slots for :meth:`trained_variables` (a part's slots on the part's device)."""
+        ...
 
-    @property
-    def devices_per_replica(self) -> int:
-        """Devices one copy of the model spans."""
-        return self.stages * self.tensor
+    def prepare_loss(self, loss: Any) -> Any:
+        """``loss`` as the plan computes it (a cross-entropy on split logits computed on the slices)."""
+        ...
 
-    def __str__(self) -> str:
-        def plural(n: int, word: str) -> str:
-            return f"{n} {word}" + ("" if n == 1 else "s")
+    def optimizer_state(self, optimizer: Any) -> list[Any]:
+        """The optimizer's variables as a checkpoint stores them: every slot whole (a collective when sharded
+        across workers)."""
+        ...
 
-        return " x ".join(
-            (plural(self.data, "data replica"), plural(self.stages, "stage"), plural(self.tensor, "tensor shard"))
-        )
+    def restorable_state(self, optimizer: Any) -> list[tuple[Any | None, tuple[int, ...]]]:
+        """Each saved optimizer variable as a restore fills it: the variable (None: another worker's) and its
+        whole shape."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -143,10 +144,14 @@ class Backend(abc.ABC):
     name: ClassVar[str] = ""
     #: Keyword options this backend accepts (anything else is rejected before training starts).
     option_names: ClassVar[tuple[str, ...]] = ()
-    #: What this backend can do.
-    capabilities: ClassVar[Capabilities] = Capabilities()
+    #: What this backend can do (a class default; an instance may narrow it from its options and plan).
+    capabilities: Capabilities = Capabilities()
     #: This process's devices, the layout and its place among the workers (set by ``__init__``).
     topology: Topology
+    #: The parallel plan of the model built: one value every technique reads (set by :meth:`build_model`).
+    plan: ParallelPlan | None = None
+    #: The plan's techniques as applied to the model built, what the loop asks of them (set by :meth:`build_model`).
+    techniques: Techniques
 
     def __init__(self, devices: DeviceSpec = None, **options: Any) -> None:
         del devices  # each subclass resolves them into its topology
@@ -164,17 +169,36 @@ class Backend(abc.ABC):
     def build_model(
         self, model_fn: Callable[[], keras.Model], optimizer: Any = None, host_model: Any = None, remat: bool = False
     ) -> keras.Model:
-        """Call ``model_fn`` so that the model's variables live where this backend wants them.
+        """Call ``model_fn`` so that the model's variables live where this backend wants them, make the plan
+        (:attr:`plan`) and apply it (:attr:`techniques`).
 
         ``optimizer`` (what the user passed to ``build``) and ``remat`` (whether the units will be recomputed) let a
         backend that plans placement by memory count the optimizer's slots and the activations kept. ``host_model``
-        is a :class:`paraml.planning.observe.HostModel` the caller already built (``auto`` measured it), for a backend
-        that plans
-        from a first build; data-parallel backends ignore all three.
+        is a :class:`paraml.planning.observe.HostModel` the caller already built (``auto`` measured it), for a
+        backend that plans from a first build. The default: the whole model on each replica, under :meth:`scope`.
         """
-        del optimizer, host_model, remat
+        del optimizer, host_model
         with self.scope():
-            return model_fn()
+            model = model_fn()
+        plan = ParallelPlan(
+            self.topology.layout,
+            DeviceMesh(tuple(((device,),) for device in self.topology.devices)),
+            remat=remat,
+            shard_optimizer=self.capabilities.shards_optimizer,
+        )
+        self.apply_plan(model, plan)
+        return model
+
+    def apply_plan(self, model: keras.Model, plan: ParallelPlan, **runtime: Any) -> None:
+        """Keep ``plan`` as :attr:`plan` and apply its techniques to ``model`` in their one order
+        (:func:`paraml.parallelism.apply.apply_plan`; ``runtime``: what only the backend knows while it traces, as
+        a pipeline's stage devices and gates); say in :attr:`capabilities` what they rule out."""
+        self.plan = plan
+        self.techniques = apply_plan(model, plan, **runtime)
+        if plan.remat:
+            # TensorFlow cannot differentiate a recomputed unit inside a tf.cond (its backward branch reads the
+            # variables again, which cond_v2 refuses): no replica or micro-batch is skipped in a cond.
+            self.capabilities = replace(self.capabilities, skips_empty_replicas=False)
 
     # -- data and execution -------------------------------------------------------------------------------------------
     @abc.abstractmethod

@@ -21,6 +21,7 @@ from paraml.checks import check_choice
 from paraml.cluster.config import connect_timeout, global_worker_index, wait_for_workers
 from paraml.cluster.detect import setup_tf_config
 from paraml.devices import canonical_device, resolve_devices
+from paraml.internals import shift_collective_keys
 
 __all__ = [
     "CentralStorageBackend",
@@ -145,8 +146,7 @@ def _new_collective_key_range(strategy_class: type) -> None:
     group keys and TF aborts with "is joining a group with size 4, but that group has size 2". TF's own
     test-combinations shift this class attribute for the same reason; without it (a future TF), nothing changes.
     """
-    if hasattr(strategy_class, "_collective_key_base"):
-        strategy_class._collective_key_base += _KEY_RANGE
+    shift_collective_keys(strategy_class, _KEY_RANGE)
 
 
 @register("central_storage")

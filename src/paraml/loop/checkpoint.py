@@ -33,10 +33,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from paraml.backends.base import Techniques
 from paraml.checks import check_int
+from paraml.internals import optimizer_variable_list
 from paraml.loop.compiling import extra_optimizers
 from paraml.loop.preemption import Preempted, PreemptionGuard
-from paraml.parallelism.zero import restorable_state, whole_state
 
 if TYPE_CHECKING:  # pragma: no cover
     from paraml.loop.training import Trainer
@@ -79,14 +80,33 @@ def _trackables(model: keras.Model, optimizer: keras.optimizers.Optimizer, state
     # update, after a resume has read the checkpoint: their list of variables (a TensorFlow trackable list) is saved,
     # so that a restore fills each variable, by position, when it is created.
     for name, extra in extra_optimizers(model).items():
-        tracked[f"extra_{name}"] = getattr(extra, "_variables", None) or [v.value for v in extra.variables]
+        tracked[f"extra_{name}"] = optimizer_variable_list(extra) or [v.value for v in extra.variables]
     return tracked
 
 
-def _names(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> dict[str, tuple[str, tuple[int, ...]]]:
+def _whole_state(optimizer: keras.optimizers.Optimizer, techniques: Techniques | None) -> list[Any]:
+    """The optimizer's variables as a checkpoint stores them: as the plan's techniques say (every slot whole, even
+    where sharded or split), else as they are."""
+    if techniques is not None:
+        return techniques.optimizer_state(optimizer)
+    return [v.value for v in optimizer.variables]
+
+
+def _restorable_state(
+    optimizer: keras.optimizers.Optimizer, techniques: Techniques | None
+) -> list[tuple[Any | None, tuple[int, ...]]]:
+    """Each saved optimizer variable as a restore fills it (None: another worker's slot) and its whole shape."""
+    if techniques is not None:
+        return techniques.restorable_state(optimizer)
+    return [(v.value, tuple(v.shape)) for v in optimizer.variables]
+
+
+def _names(
+    model: keras.Model, optimizer: keras.optimizers.Optimizer, techniques: Techniques | None
+) -> dict[str, tuple[str, tuple[int, ...]]]:
     """checkpoint key -> (the variable's path in this model, its shape), for error messages."""
     named = {f"model_{i:05d}": (v.path, tuple(v.shape)) for i, v in enumerate(model.weights)}
-    state = restorable_state(optimizer)  # whole, even where sharded or split
+    state = _restorable_state(optimizer, techniques)  # whole, even where sharded or split
     paths = [v.path for v in optimizer.variables] if len(state) == len(optimizer.variables) else None
     named.update(
         {
@@ -119,8 +139,12 @@ def save_checkpoint(
     *,
     keep: int | None = None,
     write: bool = True,
+    techniques: Techniques | None = None,
 ) -> Path:
     """Write a new checkpoint into ``directory`` atomically and return its folder.
+
+    ``techniques`` (``backend.techniques``) say how the optimizer's state is stored whole where the plan shards or
+    splits it; without them it is stored as it is.
 
     ``keep`` keeps only the newest K checkpoints. ``write=False`` (the non-chief workers of a multi-worker run)
     writes to a temporary folder that is deleted at once, as TensorFlow's convention asks: every worker takes part,
@@ -128,7 +152,7 @@ def save_checkpoint(
     """
     check_int("keep", keep, none_ok=True)
     checkpoint = tf.train.Checkpoint(
-        **_trackables(model, optimizer, whole_state(optimizer)),
+        **_trackables(model, optimizer, _whole_state(optimizer, techniques)),
         progress=tf.Variable(np.array([state.epoch, state.step, state.seed], np.int64), trainable=False),
         optimizer_class=tf.Variable(type(optimizer).__name__, trainable=False),
     )
@@ -184,7 +208,10 @@ def _resolve(path: str | os.PathLike[str]) -> Path:
 
 
 def restore_checkpoint(
-    path: str | os.PathLike[str], model: keras.Model, optimizer: keras.optimizers.Optimizer
+    path: str | os.PathLike[str],
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer,
+    techniques: Techniques | None = None,
 ) -> CheckpointState:
     """Load weights and optimizer state from ``path`` into ``model``/``optimizer``; return where training stood.
 
@@ -211,7 +238,7 @@ def restore_checkpoint(
                 f"{type(optimizer).__name__}: build with the same optimizer to resume (its state and learning rate "
                 "are restored), or load only the weights with model.set_weights"
             )
-    expected = _names(model, optimizer)
+    expected = _names(model, optimizer, techniques)
     for key, (variable_path, shape) in expected.items():
         if key not in stored:
             raise ValueError(
@@ -232,7 +259,7 @@ def restore_checkpoint(
         )
     progress = tf.Variable(np.zeros(3, np.int64), trainable=False)
     # A checkpoint written before paraml saved seed states has none: those keep their values.
-    state = [variable for variable, _ in restorable_state(optimizer)]
+    state = [variable for variable, _ in _restorable_state(optimizer, techniques)]
     tracked = {
         k: v for k, v in _trackables(model, optimizer, state).items() if not k.startswith("seed_") or k in stored
     }
@@ -294,7 +321,8 @@ class Checkpointing:
         None; says on stdout where it resumed (or that the ``epochs`` are already done).
         """
         found = latest_checkpoint(self.directory)
-        state = restore_checkpoint(found, self.model, self.optimizer) if found is not None else None
+        techniques = self.backend.techniques
+        state = restore_checkpoint(found, self.model, self.optimizer, techniques) if found is not None else None
         # Workers resuming at different points would hang in the collectives: fail instead.
         position = -1 if state is None else state.epoch * 1_000_000_000 + state.step
         values = sorted({int(v) for v in self.backend.across_workers(tf.constant(position, tf.int64)).numpy()})
@@ -318,7 +346,15 @@ class Checkpointing:
         """Save where training stands (``epoch`` epochs done, ``step`` steps into the next)."""
         state = CheckpointState(epoch, step, self.seed)
         write = self.backend.topology.is_chief
-        return save_checkpoint(self.directory, self.model, self.optimizer, state, keep=self.keep, write=write)
+        return save_checkpoint(
+            self.directory,
+            self.model,
+            self.optimizer,
+            state,
+            keep=self.keep,
+            write=write,
+            techniques=self.backend.techniques,
+        )
 
     def __call__(self, epoch: int, steps_done: int, event: str) -> None:
         """The loop's progress: save at an epoch's end, where training stopped, and every ``every`` steps."""

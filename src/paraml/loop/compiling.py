@@ -19,8 +19,6 @@ import tensorflow as tf
 
 from paraml.backends.base import Backend
 from paraml.checks import did_you_mean
-from paraml.parallelism.tensor_parallel import is_split, split_logits_loss, tag_slots, trained_variables
-from paraml.parallelism.zero import sharded_optimizer
 from paraml.planning.observe import nested_layers
 from paraml.planning.optimizers import fresh_optimizer
 
@@ -146,15 +144,8 @@ def _compile_keras(backend: Backend, model: keras.Model, compile_args: dict[str,
         if accumulation:
             config = {**optimizer.get_config(), "gradient_accumulation_steps": None}
             optimizer = optimizer.__class__.from_config(config)
-        if backend.capabilities.shards_optimizer:
-            topology = backend.topology
-            optimizer = sharded_optimizer(
-                optimizer,
-                model.trainable_variables,
-                topology.devices,
-                num_workers=topology.num_workers,
-                worker_index=topology.worker_index,
-            )
+        techniques = backend.techniques  # the plan's, applied to the model: sharded slots, a split weight's parts
+        optimizer = techniques.prepare_optimizer(optimizer, model, backend.topology)
         if compile_args.get("auto_scale_loss", True) and model.dtype_policy.name == "mixed_float16":
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)  # as compile would, but under the strategy
         problem = backend.capabilities.loss_scaling_problem
@@ -164,11 +155,8 @@ def _compile_keras(backend: Backend, model: keras.Model, compile_args: dict[str,
                 "Use 'mirrored', or the mixed_bfloat16 policy (no loss scaling), or build(..., "
                 "auto_scale_loss=False)"
             )
-        tag_slots(optimizer)  # a split variable's parts' slots are saved joined
-        optimizer.build(trained_variables(model))
-    loss = compile_args.get("loss")
-    if is_split(model):  # a cross-entropy on split logits (a tensor_parallel LM head) is computed on the slices
-        loss = split_logits_loss(loss)
+        techniques.build_optimizer(optimizer, model)
+    loss = techniques.prepare_loss(compile_args.get("loss"))  # split logits' cross-entropy on the slices
     with backend.metrics_scope():
         model.compile(**{**compile_args, "optimizer": optimizer, "loss": loss})
     return accumulation

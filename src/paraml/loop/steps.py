@@ -29,7 +29,6 @@ from paraml.backends.base import Backend, Objective
 from paraml.internals import keras_mask
 from paraml.loop.batches import GlobalBatches, zeros_like_spec
 from paraml.loop.compiling import STEP_METHODS, extra_optimizers, overrides
-from paraml.parallelism.tensor_parallel import trained_variables
 
 __all__ = ["ReplicaStep"]
 
@@ -89,7 +88,7 @@ class ReplicaStep:
             self.accumulators = []
             with backend.scope():
                 strategy = tf.distribute.get_strategy()
-                for v in trained_variables(model):
+                for v in backend.techniques.trained_variables(model):
                     # Beside its variable (a stage's, a part's), as the optimizer's slots are.
                     with strategy.extended.colocate_vars_with(v.value):
                         self.accumulators.append(
@@ -228,7 +227,7 @@ class ReplicaStep:
         with tf.GradientTape() as tape:
             loss = self._combine(self._parts(x, y, w, weighted), rows, global_rows)
             loss = self.optimizer.scale_loss(loss)
-        return _gradients_or_zeros(tape, loss, trained_variables(self.model), self._colocate)
+        return _gradients_or_zeros(tape, loss, self.backend.techniques.trained_variables(self.model), self._colocate)
 
     def _gradients(self, x: Any, y: Any, w: Any, rows: tf.Tensor, global_rows: tf.Tensor, weighted: bool) -> list[Any]:
         """This replica's gradients; zeros (of the same kinds) for a replica the last batch left empty."""
@@ -236,7 +235,7 @@ class ReplicaStep:
         skip_empty = self.backend.capabilities.skips_empty_replicas  # a sync point in the forward pass forbids cond
         if self._masked:
             return self._masked_gradients(x, y, w, rows, global_rows, weighted, skip_empty)
-        variables = trained_variables(self.model)
+        variables = self.backend.techniques.trained_variables(self.model)
         kinds = list[Any]()  # no annotation: autograph cannot convert an annotated name used in a closure
 
         def compute() -> list[Any]:
@@ -276,7 +275,7 @@ class ReplicaStep:
             else:
                 summed = parts(x, y, w, weighted)
             loss = self.optimizer.scale_loss(self._combine(summed, rows, global_rows))
-        return _gradients_or_zeros(tape, loss, trained_variables(self.model), self._colocate)
+        return _gradients_or_zeros(tape, loss, self.backend.techniques.trained_variables(self.model), self._colocate)
 
     def _train(self, x: Any, y: Any, w: Any, *, update: bool, weighted: bool) -> None:
         """One training step on this replica. With gradient accumulation, ``update`` says whether this step applies
@@ -285,7 +284,7 @@ class ReplicaStep:
         rows = _rows(x)
         global_rows = self.backend.all_reduce_sum(tf.cast(rows, tf.float32))
         grads = self._gradients(x, y, w, rows, global_rows, weighted)
-        variables = trained_variables(self.model)
+        variables = self.backend.techniques.trained_variables(self.model)
         if self.accumulators is None:
             self.optimizer.apply_gradients(zip(grads, variables))
             return

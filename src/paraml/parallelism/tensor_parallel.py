@@ -41,6 +41,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from paraml.internals import (
+    VARIABLE_VALUE_KEY,
+    attention_projections,
+    direct_sublayers,
+    flatten_layers,
+    own_trainable_variables,
+    trackable_base,
+)
+
 __all__ = [
     "ATTENTION_CLASSES",
     "LayerSplit",
@@ -94,7 +103,7 @@ def _whole_class() -> type:
     import numpy as np
     import tensorflow as tf
 
-    class WholeVariableImpl(tf.__internal__.tracking.Trackable, _Whole):
+    class WholeVariableImpl(trackable_base(), _Whole):
         def __init__(self, parts: Sequence[Any], axis: int, name: str) -> None:
             self.parts = list(parts)
             self.axis = axis
@@ -131,10 +140,10 @@ def _whole_class() -> type:
         # A TensorFlow checkpoint stores the whole tensor under the key a plain variable uses, so one written here
         # restores into a plain variable, and the other way round.
         def _serialize_to_tensors(self) -> dict[str, Any]:
-            return {"VARIABLE_VALUE": self.read_value()}
+            return {VARIABLE_VALUE_KEY: self.read_value()}
 
         def _restore_from_tensors(self, restored_tensors: dict[str, Any]) -> Any:
-            return self.assign(restored_tensors["VARIABLE_VALUE"])
+            return self.assign(restored_tensors[VARIABLE_VALUE_KEY])
 
         def __repr__(self) -> str:
             shape = tuple(self._shape)
@@ -231,7 +240,7 @@ def _leaf_layers(model: Any) -> list[Any]:
     """Every layer of ``model``, nested ones included, each once, in tracking order."""
     seen: set[int] = set()
     found = []
-    for layer in model._flatten_layers(include_self=False, recursive=True):
+    for layer in flatten_layers(model):
         if id(layer) not in seen:
             seen.add(id(layer))
             found.append(layer)
@@ -263,16 +272,16 @@ def _attention_projections(layer: Any, tensor: int) -> list[tuple[Any, int, str]
     their kernels are not laid out as Keras lays them out (heads on kernel axis 1 in, axis 0 out) or their heads do
     not split over ``tensor`` devices. Fewer key/value heads than query heads (grouped-query attention) need both
     counts divisible by ``tensor``, so that each device's query heads have their key/value heads."""
-    names = ["_query_dense", "_key_dense", "_value_dense"]
-    names += ["_gate_dense"] if getattr(layer, "_use_gate", False) else []
+    projections = attention_projections(layer)  # query, key, value (and gate), output
+    if projections is None:
+        return None
+    out = projections.pop("output")
     found = []
-    for name in names:
-        dense = getattr(layer, name, None)
-        if dense is None or not _plain(dense) or len(dense.kernel.shape) != 3:
+    for dense in projections.values():
+        if not _plain(dense) or len(dense.kernel.shape) != 3:
             return None
         found.append((dense, 1, "in"))
-    out = getattr(layer, "_output_dense", None)
-    if out is None or not _plain(out) or len(out.kernel.shape) != 3:
+    if not _plain(out) or len(out.kernel.shape) != 3:
         return None
     found.append((out, 0, "out"))
     heads = {int(dense.kernel.shape[axis]) for dense, axis, _ in found}
@@ -436,7 +445,7 @@ def plan_splits(model: Any, tensor: int, sample: Any = None) -> TensorPlan:
             plan.kinds[id(layer)] = kind
             plan.splits.append(LayerSplit(_path(model, layer), kind, tuple(tuple(v.shape) for v, _ in split)))
             plan.axes.update({id(v): axis for v, axis in split})
-        elif layer._trainable_variables and id(layer) not in claimed and not layer._layers:
+        elif own_trainable_variables(layer) and id(layer) not in claimed and not direct_sublayers(layer):
             plan.whole.append(f"{_path(model, layer)} ({_why_whole(layer, tensor)})")
     return plan
 
@@ -725,29 +734,36 @@ class SplitLayers:
         layer.call = call
 
 
-#: id(joined tensor) -> (it, its slices, the axis): a split layer's output joined for the consumers that need it
-#: whole, kept so that a rows-split layer or the cross-entropy takes the slices without the join (TensorFlow then
-#: never computes the join: nothing reads it).
-_SLICES: dict[int, tuple[Any, list[Any], int]] = {}
+#: The attribute of a traced graph holding its joined tensors' slices: ``id(joined) -> (joined, slices, axis)``. A
+#: split layer's output is joined for the consumers that need it whole; a rows-split layer or the cross-entropy takes
+#: the slices without the join (TensorFlow then never computes the join: nothing reads it). The entries live with the
+#: graph they were traced in and go with it; an eager call keeps none (its slices are freed with the call).
+GRAPH_SLICES = "paraml_split_slices"
 
 
 def _joined(pieces: list[Any], axis: int) -> Any:
-    """A split layer's slices of its output joined along ``axis``, the slices kept for :func:`slices_of`."""
+    """A split layer's slices of its output joined along ``axis``; in a traced graph, the slices kept for
+    :func:`slices_of`."""
     import tensorflow as tf
 
     whole = tf.concat(pieces, axis=axis)
-    if len(_SLICES) > 4096:  # graphs traced long ago: an entry only ever spares a join
-        _SLICES.clear()
-    _SLICES[id(whole)] = (whole, pieces, axis)
+    if not tf.executing_eagerly():
+        graph = whole.graph  # a graph has slots, no __dict__: the attribute is set, not found in vars()
+        if getattr(graph, GRAPH_SLICES, None) is None:
+            setattr(graph, GRAPH_SLICES, {})
+        getattr(graph, GRAPH_SLICES)[id(whole)] = (whole, pieces, axis)
     return whole
 
 
 def slices_of(x: Any, axis: int = -1) -> list[Any] | None:
     """The slices a split layer joined along ``axis`` into ``x`` (or into the tensor ``x`` is a cast of: a loss casts
-    its input), each on its device; None for any other tensor."""
+    its input), each on its device; None for any other tensor, and for any eager one."""
     import tensorflow as tf
 
-    entry = _SLICES.get(id(x))
+    if tf.executing_eagerly():
+        return None
+    graph = getattr(x, "graph", None)
+    entry = (getattr(graph, GRAPH_SLICES, None) or {}).get(id(x))
     rank = getattr(getattr(x, "shape", None), "rank", None)
     if entry is not None and entry[0] is x and rank and entry[2] % rank == axis % rank:
         return entry[1]

@@ -29,6 +29,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from paraml.internals import (
+    DISTRIBUTED_UPDATE_STEP,
+    distributed_update_step,
+    has_distributed_update_step,
+    optimizer_strategy,
+    resource_variable,
+)
+
 if TYPE_CHECKING:  # pragma: no cover
     import keras
 
@@ -68,14 +76,13 @@ _SLOT = "_paraml_slot"  # the attribute that marks a sharded slot
 def _plain_variable_on(device: str) -> Callable[..., Any]:
     """A variable creator that makes a plain (not mirrored) variable on ``device``, inside a strategy's scope."""
     import tensorflow as tf
-    from tensorflow.python.ops.resource_variable_ops import ResourceVariable  # the strategy's creator bypassed
 
     def create(next_creator: Callable[..., Any], **kwargs: Any) -> Any:
         del next_creator
         for mirrored_only in ("colocate_with", "use_resource", "experimental_batch_ndims"):
             kwargs.pop(mirrored_only, None)
         with tf.device(device):
-            return ResourceVariable(**kwargs)
+            return resource_variable(**kwargs)  # the strategy's creator bypassed
 
     return create
 
@@ -139,7 +146,7 @@ def sharded_optimizer(
     import tensorflow as tf
 
     base = type(optimizer)
-    if not hasattr(base, "_distributed_tf_update_step"):
+    if not has_distributed_update_step(base):
         raise ValueError(
             f"shard_optimizer=True cannot shard {base.__name__}: it does not update its variables one by one "
             "through the strategy as Keras' TensorFlow optimizers do; use shard_optimizer=False"
@@ -171,7 +178,7 @@ def sharded_optimizer(
         for grad, var in grads_and_vars:
             owner = owner_of.get(id(var))
             if owner is None:
-                base._distributed_tf_update_step(self, distribution, [(grad, var)], learning_rate)
+                distributed_update_step(base)(self, distribution, [(grad, var)], learning_rate)
                 continue
             if first <= owner < first + local:
                 with tf.device(devices[owner - first]):
@@ -198,7 +205,7 @@ def sharded_optimizer(
         (base,),
         {
             "add_variable_from_reference": add_variable_from_reference,
-            "_distributed_tf_update_step": _distributed_tf_update_step,
+            DISTRIBUTED_UPDATE_STEP: _distributed_tf_update_step,
             "__module__": base.__module__,  # saved models name the user's class
             "__doc__": base.__doc__,
         },
@@ -222,7 +229,7 @@ def whole_state(optimizer: keras.optimizers.Optimizer) -> list[Any]:
     if all(s is None for s in slots):
         return saved_state(variables)  # a split variable's slots joined (tensor_parallel)
     values = [v.value for v in variables]
-    strategy = optimizer._distribution_strategy
+    strategy = optimizer_strategy(optimizer)
     replicas = int(strategy.num_replicas_in_sync)
     if replicas == len(strategy.extended.worker_devices):
         return values  # one worker holds every slot (the same answer on every worker: no one gathers)

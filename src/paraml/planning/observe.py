@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paraml.checks import check_int
+from paraml.internals import tensor_list_element_dtype, while_body_graph
 from paraml.planning.partition import LayerCost
 from paraml.planning.sizes import dtype_size, nbytes
 
@@ -395,10 +396,7 @@ def _accumulated_dtype(handle: Any) -> Any:
     None when it is not counted: each step pushes the same buffer (a variable's value, a tensor from outside the
     loop), or this TensorFlow does not tell."""
     try:
-        import tensorflow as tf
-        from tensorflow.python.ops import handle_data_util  # the list's element dtype: no public API
-
-        body = getattr(handle.op, "_body_graph", None)  # while_v2 keeps its body's graph on the op
+        body = while_body_graph(handle.op)
         if body is not None:
             pushed = body.outputs[handle.value_index].op
             if pushed.type == "TensorListPushBack":
@@ -408,7 +406,7 @@ def _accumulated_dtype(handle: Any) -> Any:
                 captured = {id(t) for t in body.internal_captures}
                 if element.op.type == "ReadVariableOp" or id(element) in captured:
                     return None
-        return tf.as_dtype(handle_data_util.get_resource_handle_data(handle).shape_and_type[0].dtype)
+        return tensor_list_element_dtype(handle)
     except Exception:  # another TensorFlow without this graph or handle data: the accumulator is not counted
         return None
 

@@ -1,0 +1,200 @@
+"""A replica's batch pipelined through the stages in micro-batches, in the schedule's order (GPipe or 1F1B).
+
+All micro-batches of a step are in one ``tf.function``. TensorFlow's dataflow executor starts each op when its inputs
+are ready, which yields the GPipe schedule without a hand-written scheduler. For 1F1B each micro-batch's gradient is
+taken as soon as its loss exists, and each stage's forward pass waits (a control dependency, :meth:`Pipeline.gate`)
+for the backward pass :meth:`paraml.planning.schedules.Schedule.waits_for` names; the replica's tape sees the summed
+gradients through a surrogate term, so the loop and the backend contract stay as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from paraml.backends.base import Objective
+from paraml.internals import concat_with_masks, keras_masks
+from paraml.planning.schedules import Schedule
+
+__all__ = ["Pipeline"]
+
+
+class Pipeline:
+    """Runs a replica's batch as ``schedule.micro_batches`` parts through the stages (forward pass, loss parts).
+
+    ``skips_empty()`` says whether an empty micro-batch (a short last batch) may be skipped in a ``tf.cond``;
+    ``trained_variables(model)`` gives what 1F1B differentiates (a split weight's parts). :attr:`variable_stage` maps
+    ``id`` of a trained variable's value to its stage (set once the model is placed).
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        skips_empty: Callable[[], bool],
+        trained_variables: Callable[[keras.Model], list[Any]],
+    ) -> None:
+        self.schedule = schedule
+        self.micro_batches = schedule.micro_batches
+        self.skips_empty = skips_empty
+        self.trained_variables = trained_variables
+        #: id of a trained variable's value -> the stage it lives on (1F1B groups each stage's backward pass).
+        self.variable_stage: dict[int, int] = {}
+        # Under 1F1B, (stage, micro-batch) -> the ops of that micro-batch's backward pass on that stage, and the
+        # micro-batch being traced: a stage's forward pass waits for the backward pass the schedule names.
+        self._backward_done: dict[tuple[int, int], Any] = {}
+        self._tracing: int | None = None
+
+    def gate(self, stage: int) -> list[Any]:
+        """What ``stage``'s forward pass of the micro-batch being traced waits for (1F1B), or nothing."""
+        if self._tracing is None:
+            return []
+        earlier = self.schedule.waits_for(stage, self._tracing)
+        done = self._backward_done.get((stage, earlier)) if earlier is not None else None
+        return [] if done is None else [done]
+
+    def _split(self, value: Any, rows: tf.Tensor) -> list[Any]:
+        """``value`` (a structure of batch-major tensors, or None) as ``micro_batches`` parts of ``rows`` in all."""
+        m = self.micro_batches
+        sizes = rows // m + tf.cast(tf.range(m) < rows % m, rows.dtype)
+        leaves = tf.nest.flatten(value)
+        parts = [[None] * m if t is None else tf.split(t, sizes, num=m) for t in leaves]
+        return [tf.nest.pack_sequence_as(value, [p[i] for p in parts]) for i in range(m)]
+
+    def _parts(self, *values: Any) -> list[tuple[Any, ...]]:
+        if self.micro_batches == 1:
+            return [values]
+        first = next(t for t in tf.nest.flatten(values) if t is not None)
+        rows = tf.shape(first, out_type=tf.int32)[0]
+        return list(zip(*(self._split(v, rows) for v in values)))
+
+    def _run(
+        self, model: keras.Model, parts: list[tuple[Any, ...]], training: bool, objective: Objective | None
+    ) -> Any:
+        """Each part through the model (and ``objective``); returns (the joined outputs, the summed loss parts).
+
+        A part after the first is empty when the batch has fewer rows than ``micro_batches`` (a short last batch):
+        it is skipped (in a ``tf.cond`` when its size is known only at run time), as an empty batch would feed NaN
+        into layers such as BatchNormalization. The joined outputs keep the parts' Keras masks.
+        """
+        outputs, masks, losses = [], [], []
+        for i, (x_part, *rest) in enumerate(parts):
+
+            def step(x_part: Any = x_part, rest: list[Any] = rest) -> tuple[Any, list[tf.Tensor], tf.Tensor]:
+                y_pred = model(x_part, training=training)
+                loss = tf.zeros(()) if objective is None else objective(x_part, rest[0], y_pred, rest[1])
+                return y_pred, [m for m in keras_masks(y_pred) if m is not None], loss
+
+            if i == 0:
+                y_pred, mask, loss = step()
+                present = [m is not None for m in keras_masks(y_pred)]
+            else:
+                first = next(t for t in tf.nest.flatten(x_part) if t is not None)
+                static = first.shape[0]
+                if static == 0:
+                    continue
+                if static is None and self.skips_empty():
+                    empty = tf.nest.map_structure(lambda t: t[:0], (outputs[0], masks[0]))
+                    y_pred, mask, loss = tf.cond(
+                        tf.shape(first)[0] > 0, step, lambda empty=empty: (*empty, tf.zeros_like(losses[0]))
+                    )
+                else:
+                    y_pred, mask, loss = step()
+            outputs.append(y_pred)
+            masks.append(mask)
+            losses.append(loss)
+        if len(outputs) == 1:
+            return outputs[0], losses[0]
+        # A tf.cond's outputs carry no mask: the parts' masks travel beside them, in the order of the outputs.
+        full = [[next(given) if has else None for has in present] for given in map(iter, masks)]
+        return concat_with_masks(outputs, full), tf.add_n(losses)
+
+    def forward(self, model: keras.Model, x: Any, training: bool) -> Any:
+        return self._run(model, self._parts(x, None, None), training, None)[0]
+
+    def loss(
+        self, model: keras.Model, x: Any, y: Any, sample_weight: Any, objective: Objective, training: bool
+    ) -> tuple[tf.Tensor, Any]:
+        parts = self._parts(x, y, sample_weight)
+        if training and self.schedule.kind == "1f1b" and len(parts) > 1:
+            return self._one_forward_one_backward(model, parts, objective)
+        y_pred, total = self._run(model, parts, training, objective)
+        return total, y_pred
+
+    @tf.autograph.experimental.do_not_convert  # a Python loop over the micro-batches, traced as written
+    def _one_forward_one_backward(
+        self, model: keras.Model, parts: list[tuple[Any, ...]], objective: Objective
+    ) -> tuple[tf.Tensor, Any]:
+        """The loss parts of a training batch whose micro-batches each run forward and then backward, in the 1F1B
+        order (:mod:`paraml.planning.schedules`): each micro-batch's gradient is taken as soon as its loss exists,
+        and each
+        stage's forward pass of micro-batch ``i`` waits (a control dependency) for the backward pass the schedule
+        names. The caller's tape sees one op whose gradient is the sum of the micro-batches' gradients, scaled by what
+        flows back into the loss (the replica's division by the global batch, a loss scale)."""
+        variables = self.trained_variables(model)
+        y_preds: list[Any] = []
+        masks: list[list[Any]] = []
+
+        totals, summed = [], None
+        for i, (x_part, y_part, w_part) in enumerate(parts):
+            if tf.nest.flatten(x_part)[0].shape[0] == 0:
+                continue
+            self._tracing = i
+            try:
+                y_pred = model(x_part, training=True)
+                part = objective(x_part, y_part, y_pred, w_part)
+            finally:
+                self._tracing = None
+            mask = keras_masks(y_pred)
+            if any(m is not None for m in mask):
+                raise ValueError(
+                    "schedule='1f1b' takes each micro-batch's gradient before the next one's loss exists, but a loss "
+                    "over masked tokens is a mean over the whole batch's tokens; use schedule='gpipe'"
+                )
+            # tf.gradients places each gradient op on its forward op's device (a tape's go to the default device)
+            grads = tf.gradients(part[0], variables)
+            by_stage: dict[int, list[Any]] = {}
+            for g, v in zip(grads, variables):
+                stage = self.variable_stage.get(id(v.value))
+                if g is not None and stage is not None:
+                    by_stage.setdefault(stage, []).append(_values(g))
+            for stage, done in by_stage.items():
+                self._backward_done[(stage, i)] = tf.group(*done)
+            summed = grads if summed is None else [_add(a, g) for a, g in zip(summed, grads)]
+            totals.append(part)
+            y_preds.append(y_pred)
+            masks.append(mask)
+        self._backward_done.clear()
+        # The caller's tape differentiates this: the loss parts' value, with the summed gradients as their gradient
+        # (a sum of each variable times its gradient, held constant), so what flows back into the loss (the replica's
+        # division by the global batch, a loss scale) scales them.
+        total = tf.stop_gradient(tf.add_n(totals))
+        surrogate = tf.add_n([_dot(g, v) for g, v in zip(summed or [], variables) if g is not None] or [tf.zeros(())])
+        total += tf.stack([surrogate - tf.stop_gradient(surrogate), 0.0, 0.0])
+        return total, concat_with_masks(y_preds, masks)
+
+
+def _values(gradient: Any) -> Any:
+    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+
+
+def _add(a: Any, b: Any) -> Any:
+    """Two gradients of one variable summed; two sparse ones (an Embedding's) stay sparse, as TensorFlow adds them."""
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape)
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
+
+
+def _dot(gradient: Any, variable: Any) -> tf.Tensor:
+    """``sum(gradient * variable)`` with the gradient held constant: its gradient w.r.t. ``variable`` is ``gradient``
+    (sparse for a sparse one: only the rows it names are read)."""
+    # The gradient of this term is the gradient itself: kept on the variable's device, where it was made.
+    with tf.device(getattr(variable, "value", variable).device):
+        if isinstance(gradient, tf.IndexedSlices):
+            rows = tf.gather(variable, gradient.indices)
+            return tf.reduce_sum(
+                tf.cast(tf.stop_gradient(gradient.values) * tf.cast(rows, gradient.values.dtype), "float32")
+            )
+        return tf.reduce_sum(tf.cast(tf.stop_gradient(gradient) * tf.cast(variable, gradient.dtype), "float32"))

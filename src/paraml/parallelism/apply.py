@@ -1,0 +1,144 @@
+"""Every technique of a plan applied to a model, in one place and one order (torchtitan's ``parallelize``).
+
+:func:`apply_plan` takes a built model and its :class:`paraml.planning.plan.ParallelPlan` and applies, in this
+order (each later one wraps the earlier ones, so the order is the meaning):
+
+0. **Variable placement** happened before, while ``model_fn`` created the variables: the backend's variable creator
+   put each on its stage's devices (a split weight as parts on the stage's tensor shards). Nothing here moves them.
+1. **Tensor splits**: each split layer's ``call`` computes on its parts, on its stage's tensor-shard devices. First,
+   because it replaces the layer's own computation.
+2. **Stage placement**: each unit's ``call`` runs under its stage's device (and, under 1F1B, after the backward pass
+   the schedule names). It wraps 1, so a split layer's whole-tensor ops run on its stage too.
+3. **Recompute** (``remat``): each unit's ``call`` under ``tf.recompute_grad``. It wraps 2, so the recompute runs on
+   the unit's stage.
+4. At compile, through the returned :class:`AppliedPlan`: **sharded optimizer state** (ZeRO-1) and the slots of a
+   split weight's parts; the **cross-entropy of split logits** computed on the slices.
+
+The returned :class:`AppliedPlan` is what the loop reads through the backend (``backend.techniques``): the variables
+the step trains, the optimizer and loss as the plan wants them, the optimizer state a checkpoint saves. The loop
+imports no technique.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from paraml.parallelism import tensor_parallel, zero
+from paraml.parallelism.remat import recompute_units
+from paraml.planning.observe import model_units, nested_layers
+from paraml.planning.plan import ParallelPlan
+
+__all__ = ["AppliedPlan", "apply_plan", "current_replica"]
+
+#: ``gate(stage)``: what ``stage``'s forward pass of the micro-batch being traced waits for (a pipeline schedule).
+Gate = Callable[[int], list[Any]]
+
+
+def current_replica() -> int:
+    """This worker's index of the replica being traced (0 outside a replica context)."""
+    context = tf.distribute.get_replica_context()
+    replica = tf.get_static_value(context.replica_id_in_sync_group) if context is not None else 0
+    return int(replica or 0)
+
+
+def apply_plan(model: keras.Model, plan: ParallelPlan, gate: Gate | None = None) -> AppliedPlan:
+    """Apply ``plan``'s techniques to ``model`` (built, its variables already placed) in the module's order.
+
+    ``gate`` is the pipeline's wait (:meth:`paraml.backends.model_parallel.ModelParallelBackend`'s 1F1B gates).
+    """
+    stage_of_unit = plan.stage_of()
+    units = model_units(model) if stage_of_unit else []
+
+    # 1. tensor splits: a split layer computes on its parts, on its stage's tensor shards of the replica traced
+    split = None
+    if plan.splits is not None:
+        stage_of_layer: dict[int, int] = {}
+        for name, layer in units:
+            for inner in nested_layers(layer):
+                stage_of_layer.setdefault(id(inner), stage_of_unit[name])
+
+        def shard_devices(layer: Any) -> tuple[str, ...]:
+            return plan.mesh.stage_group(current_replica(), stage_of_layer[id(layer)])
+
+        split = tensor_parallel.SplitLayers(plan.splits, shard_devices)
+        split.attach(model)
+
+    # 2. stage placement: each unit's call on its stage's device of the replica traced, after the schedule's wait
+    for name, layer in units:
+        _run_on_stage(layer, plan, stage_of_unit[name], gate)
+
+    # 3. recompute: wraps 2, so the recompute runs where the unit does
+    recomputed = recompute_units(model) if plan.remat else []
+    return AppliedPlan(plan, split, recomputed)
+
+
+def _run_on_stage(layer: keras.layers.Layer, plan: ParallelPlan, stage: int, gate: Gate | None) -> None:
+    """Make ``layer``'s ``call`` (the public method, set on this instance) run on ``stage``'s device of the replica
+    being traced, after what ``gate(stage)`` returns."""
+    original = layer.call
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        device = plan.mesh.stage_group(current_replica(), stage)[0]
+        with tf.device(device), tf.control_dependencies(gate(stage) if gate is not None else []):
+            return original(*args, **kwargs)
+
+    layer.call = call
+
+
+class AppliedPlan:
+    """A plan's techniques as applied to one model: what the step, the optimizer and checkpoints ask of them
+    (the :class:`paraml.backends.base.Techniques` contract).
+
+    Attributes:
+        plan: The plan applied.
+        split: The split layers' computation (``tensor_parallel``), or None.
+        recomputed: The names of the units that recompute their activations (``remat``).
+    """
+
+    def __init__(
+        self, plan: ParallelPlan, split: tensor_parallel.SplitLayers | None = None, recomputed: list[str] | None = None
+    ) -> None:
+        self.plan = plan
+        self.split = split
+        self.recomputed: list[str] = list(recomputed or ())
+
+    def trained_variables(self, model: keras.Model) -> list[Any]:
+        """``model.trainable_variables``, a split weight replaced by its parts (what the gradient is taken for)."""
+        if self.split is None:
+            return list(model.trainable_variables)
+        return tensor_parallel.trained_variables(model)
+
+    def prepare_optimizer(self, optimizer: Any, model: keras.Model, topology: Any) -> Any:
+        """``optimizer`` with its slots on owner replicas when the plan shards optimizer state (ZeRO-1)."""
+        if not self.plan.shard_optimizer:
+            return optimizer
+        return zero.sharded_optimizer(
+            optimizer,
+            model.trainable_variables,
+            topology.devices,
+            num_workers=topology.num_workers,
+            worker_index=topology.worker_index,
+        )
+
+    def build_optimizer(self, optimizer: Any, model: keras.Model) -> None:
+        """Create ``optimizer``'s slots for the trained variables (a part's slots on the part's device, saved
+        joined)."""
+        if self.split is not None:
+            tensor_parallel.tag_slots(optimizer)
+        optimizer.build(self.trained_variables(model))
+
+    def prepare_loss(self, loss: Any) -> Any:
+        """``loss``, its cross-entropy computed on the slices of split logits when layers are split."""
+        return tensor_parallel.split_logits_loss(loss) if self.split is not None else loss
+
+    def optimizer_state(self, optimizer: Any) -> list[Any]:
+        """The optimizer's variables as a checkpoint stores them, each slot whole."""
+        return zero.whole_state(optimizer)
+
+    def restorable_state(self, optimizer: Any) -> list[tuple[Any | None, tuple[int, ...]]]:
+        """Each saved optimizer variable as a restore fills it, and its whole shape."""
+        return zero.restorable_state(optimizer)

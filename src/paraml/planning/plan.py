@@ -1,0 +1,179 @@
+"""The parallel plan: one value that says how a model is laid out over devices, read by every technique.
+
+A plan is made once, when a backend builds the model (:meth:`paraml.backends.Backend.build_model`), and then only
+read: the backend places variables and runs units where it says, :func:`paraml.parallelism.apply.apply_plan` applies
+its techniques to the model in one stated order, the step, the optimizer and the checkpoints follow what that
+returned, and ``describe()`` prints it. Nothing is worked out again from attributes on Keras objects.
+
+It holds (the axes and names are those of Keras' ``DeviceMesh`` and torchtitan's parallel dimensions):
+
+- the **layout**, data replicas x pipeline stages x tensor shards over all workers (:class:`Layout`), and the
+  **mesh**, this worker's devices on those named axes (:class:`DeviceMesh`);
+- the **stages**: which layers run on which stage (:class:`paraml.planning.partition.PartitionPlan`, with each
+  stage's bytes), and the **splits**: which layers are split over a stage's tensor shards, and how (a
+  ``paraml.parallelism.tensor_parallel.TensorPlan``);
+- the **schedule** of the micro-batches through the stages (:class:`paraml.planning.schedules.Schedule`);
+- what is **recomputed** (``remat``) and what is **sharded** (optimizer state, ZeRO-1).
+
+Plain Python: importing it loads no TensorFlow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from paraml.checks import check_int
+from paraml.planning.partition import PartitionPlan, Stage
+from paraml.planning.schedules import Schedule
+
+__all__ = ["DeviceMesh", "Layout", "ParallelPlan"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the devices share one global batch: ``data`` replicas x ``stages`` pipeline stages x ``tensor`` shards.
+
+    ``data`` counts the copies of the model over all workers, each computing its slice of the global batch; a copy
+    spans ``stages * tensor`` devices.
+
+    >>> Layout(data=2, stages=2)
+    Layout(data=2, stages=2, tensor=1)
+    >>> str(Layout(data=4))
+    '4 data replicas x 1 stage x 1 tensor shard'
+    """
+
+    data: int = 1
+    stages: int = 1
+    tensor: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("data", "stages", "tensor"):
+            check_int(f"Layout.{name}", getattr(self, name))
+
+    @property
+    def devices_per_replica(self) -> int:
+        """Devices one copy of the model spans."""
+        return self.stages * self.tensor
+
+    def __str__(self) -> str:
+        def plural(n: int, word: str) -> str:
+            return f"{n} {word}" + ("" if n == 1 else "s")
+
+        return " x ".join(
+            (plural(self.data, "data replica"), plural(self.stages, "stage"), plural(self.tensor, "tensor shard"))
+        )
+
+
+@dataclass(frozen=True)
+class DeviceMesh:
+    """This worker's devices on named axes: ``devices[r][s][t]`` is tensor shard ``t`` of stage ``s`` of this
+    worker's data replica ``r``.
+
+    >>> mesh = DeviceMesh.arrange(["CPU:0", "CPU:1", "CPU:2", "CPU:3"], data=2, tensor=1)
+    >>> mesh.shape, mesh.stage_group(1, 1)
+    ((2, 2, 1), ('CPU:3',))
+    >>> DeviceMesh.arrange(["CPU:0", "CPU:1", "CPU:2"], data=2, tensor=1)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: devices=3 is not a multiple of data_parallel=2: ...
+    """
+
+    devices: tuple[tuple[tuple[str, ...], ...], ...]
+    axis_names: ClassVar[tuple[str, str, str]] = ("data", "stage", "tensor")
+
+    @classmethod
+    def arrange(cls, devices: Sequence[str], data: int = 1, tensor: int = 1) -> DeviceMesh:
+        """``devices`` in order as ``data`` copies of a pipeline whose stages each span ``tensor`` devices; the
+        number of stages is what is left (devices = data x stages x tensor)."""
+        product = data * tensor
+        if not devices or len(devices) % product:
+            times = f" x tensor_parallel={tensor} = {product}" if tensor > 1 else ""
+            raise ValueError(
+                f"devices={len(devices)} is not a multiple of data_parallel={data}{times}: each copy of the "
+                "pipeline takes the same number of devices (devices = data_parallel x stages x tensor_parallel); "
+                f"use {len(devices) - len(devices) % product or product} devices, or another data_parallel or "
+                "tensor_parallel"
+            )
+        stages = len(devices) // product
+        groups = [tuple(devices[i : i + tensor]) for i in range(0, len(devices), tensor)]
+        return cls(tuple(tuple(groups[r * stages : (r + 1) * stages]) for r in range(data)))
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(data replicas, stages, tensor shards) of this worker."""
+        return len(self.devices), len(self.devices[0]), len(self.devices[0][0])
+
+    @property
+    def flat(self) -> tuple[str, ...]:
+        """Every device of this worker, replica after replica, stage after stage."""
+        return tuple(d for replica in self.devices for group in replica for d in group)
+
+    def stage_group(self, replica: int, stage: int) -> tuple[str, ...]:
+        """The tensor-shard devices of ``stage`` in this worker's replica ``replica``."""
+        return self.devices[replica % len(self.devices)][stage]
+
+    def first_devices(self) -> tuple[tuple[str, ...], ...]:
+        """``[r][s]``: the first device of each stage of each replica (where a stage's whole layers live)."""
+        return tuple(tuple(group[0] for group in replica) for replica in self.devices)
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How one model is laid out and trained over devices: made once per build, read by every technique.
+
+    Attributes:
+        layout: Data replicas x stages x tensor shards, over all workers.
+        mesh: This worker's devices on the ``data``, ``stage`` and ``tensor`` axes.
+        partition: Which layers run on which stage, with each stage's bytes (``None``: the whole model is one stage,
+            as under data parallelism).
+        splits: Which layers are split over each stage's tensor shards and how (a
+            ``paraml.parallelism.tensor_parallel.TensorPlan``, made for the model the plan was made for), or None.
+        micro_batches: Parts each replica's batch is pipelined in.
+        schedule: The order of the micro-batches' forward and backward passes through the stages, or None.
+        remat: Whether units recompute their activations in the backward pass.
+        shard_optimizer: Whether each trainable variable's optimizer slots live on one owner replica (ZeRO-1).
+        notes: What the planner wants the reader to know (an unbalanced unit, an observation's limits).
+    """
+
+    layout: Layout
+    mesh: DeviceMesh
+    partition: PartitionPlan | None = None
+    splits: Any = None
+    micro_batches: int = 1
+    schedule: Schedule | None = None
+    remat: bool = False
+    shard_optimizer: bool = False
+    notes: tuple[str, ...] = ()
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        """The stages of :attr:`partition` (empty without one)."""
+        return self.partition.stages if self.partition is not None else ()
+
+    @property
+    def largest_stage_bytes(self) -> int:
+        """The largest stage's planned bytes (0 without a partition)."""
+        return self.partition.largest_stage_bytes if self.partition is not None else 0
+
+    def stage_of(self) -> dict[str, int]:
+        """Unit name -> the stage it runs on."""
+        return {name: stage.index for stage in self.stages for name in stage.layers}
+
+    def describe(self) -> str:
+        """The plan in words: the layout, then each technique the plan uses, one line (or table) each."""
+        lines = [f"plan: {self.layout}"]
+        if self.partition is not None:
+            lines.append(self.partition.describe(tuple(group[0] for group in self.mesh.devices[0])))
+            lines += [f"stage {s.index} units: {', '.join(s.layers)}" for s in self.partition.stages]
+        if self.splits is not None:
+            lines.append(self.splits.describe())
+        if self.schedule is not None and self.micro_batches > 1:
+            lines.append(str(self.schedule))
+        if self.remat:
+            lines.append("remat: every unit recomputes its activations in the backward pass")
+        if self.shard_optimizer:
+            lines.append("shard_optimizer: each variable's optimizer slots on one owner replica (ZeRO-1)")
+        lines += [f"note: {note}" for note in self.notes]
+        return "\n".join(lines)
