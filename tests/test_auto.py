@@ -149,6 +149,7 @@ def test_auto_before_build_and_bad_options():
         Parallel("auto", device_memory="2 lots")
 
 
+@pytest.mark.slow
 def test_a_two_worker_tf_config_picks_multi_worker():
     script = Path(__file__).parent / "scripts" / "auto_strategy.py"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")

@@ -63,6 +63,7 @@ def run(*command, timeout=300):
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_bench_quick_reports_every_backend(tmp_path):
     out = tmp_path / "bench.json"
     done = run(sys.executable, "-m", "paraml", "bench", "--quick", "--steps", "3", "--json", str(out))
@@ -244,7 +245,7 @@ def private_uses(path):
 
 
 @pytest.mark.parametrize(
-    "path", [*SCRIPTS, ROOT / "src/paraml/bench.py", ROOT / "src/paraml/benchmark.py"], ids=lambda p: p.name
+    "path", [*SCRIPTS, ROOT / "src/paraml/bench/command.py", ROOT / "src/paraml/bench/harness.py"], ids=lambda p: p.name
 )
 def test_benchmarks_measure_through_the_public_api(path):
     assert private_uses(path) == [], f"{path.name} reaches into paraml's internals"

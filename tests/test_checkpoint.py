@@ -123,6 +123,7 @@ def wait_for(process, marker):
     raise AssertionError(f"{marker!r} never printed:\n{''.join(lines)}")
 
 
+@pytest.mark.slow
 def test_crash_and_resume(tmp_path):
     reference = run_script(tmp_path / "ref-ckpt", tmp_path / "ref.npz")
     assert reference.wait(timeout=240) == 0
@@ -139,6 +140,7 @@ def test_crash_and_resume(tmp_path):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_kill_during_save_leaves_a_checkpoint_that_restores(tmp_path):
     saver = run_script(tmp_path / "ckpt", tmp_path / "unused.npz", "--save-loop")
     wait_for(saver, "saved 3")

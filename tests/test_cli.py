@@ -33,6 +33,7 @@ def test_devices_lists_simulated_devices_and_why_there_is_no_gpu():
     assert "nvidia-smi" in lines[4] or "CUDA" in lines[4]
 
 
+@pytest.mark.slow
 def test_commands_leave_tensorflow_logging_out_unless_asked():
     quiet = paraml("devices", TF_CPP_MIN_LOG_LEVEL=None)  # the user's environment, not the tests'
     assert quiet.returncode == 0 and not TENSORFLOW_LOG.search(quiet.stderr), quiet.stderr
@@ -54,6 +55,7 @@ def test_version_env_and_did_you_mean():
     assert "unknown command 'devics' (did you mean 'devices'?)" in typo.stderr
 
 
+@pytest.mark.slow
 def test_estimate_prints_the_breakdown(tmp_path):
     module = tmp_path / "models.py"
     module.write_text(
@@ -104,6 +106,7 @@ def test_cli_errors_are_one_line_and_exit_2():
     assert done.stderr.strip().splitlines()[-1].startswith("paraml estimate: error: expected MODULE:FUNCTION")
 
 
+@pytest.mark.slow
 def test_estimate_finds_a_module_in_the_current_folder(tmp_path):
     (tmp_path / "mymodels.py").write_text(
         "import keras\ndef make():\n    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])\n"

@@ -51,6 +51,7 @@ def snippet_runs():
 
 
 @pytest.mark.parametrize("code", list(snippets()))
+@pytest.mark.slow
 def test_snippet_runs(code, snippet_runs):
     done = snippet_runs[code].result()
     assert done.returncode == 0, f"snippet failed:\n{code}\n--- output ---\n{done.stdout}\n{done.stderr[-3000:]}"

@@ -187,6 +187,7 @@ def keras_gan(strategy: tf.distribute.Strategy, initial, epochs: int) -> list[np
 
 
 @pytest.mark.parametrize("strategy, devices", [("single", None), ("mirrored", 2)])
+@pytest.mark.slow
 def test_a_gan_with_its_own_compile_trains_as_in_keras(strategy, devices):
     par = Parallel(strategy, devices=devices)
     model = par.build(make_gan, **GAN_COMPILE)
@@ -201,6 +202,7 @@ def test_a_gan_with_its_own_compile_trains_as_in_keras(strategy, devices):
     assert model.d_optimizer.iterations.numpy() == model.g_optimizer.iterations.numpy() == 6
 
 
+@pytest.mark.slow
 def test_a_gans_checkpoint_holds_both_optimizers_and_resumes_exactly(tmp_path):
     data = tf.data.Dataset.from_tensor_slices(gan_data()).batch(16)
     whole = Parallel("single")
@@ -268,6 +270,7 @@ def tagged():
     "strategy, devices, options",
     [("single", None, {}), ("mirrored", 2, {}), ("model_parallel", 2, {"micro_batches": 2})],
 )
+@pytest.mark.slow
 def test_a_masked_sequence_loss_is_the_mean_over_the_global_batchs_tokens(tagged, strategy, devices, options):
     par = Parallel(strategy, devices=devices, **options)
     model = par.build(

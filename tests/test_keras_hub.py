@@ -42,6 +42,7 @@ def inputs(with_segments):
 # single: test_remat and test_model_parallel train these on one device; central_storage's Dropout and BatchNorm:
 # test_keras_parity and test_remat
 @pytest.mark.parametrize("strategy, devices", [("mirrored", 2)])
+@pytest.mark.slow
 def test_keras_hub_backbones_with_dropout_train(make, strategy, devices):
     x, y = inputs(make is bert_classifier)
     par = Parallel(strategy, devices=devices, seed=0)

@@ -343,6 +343,7 @@ def test_the_trained_model_predicts_saves_and_loads_as_paraml_predicts(tmp_path,
 
 
 # -- central_storage trains Dropout and BatchNormalization -------------------------------------------------------------
+@pytest.mark.slow
 def test_central_storage_trains_dropout_and_batchnorm_models():
     (x, y), (x_test, y_test) = paraml.load_digits()
 
@@ -422,6 +423,7 @@ def test_backup_and_restore_is_refused_with_advice(tmp_path, data):
 
 # -- XLA ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("strategy, devices", [("single", None), ("mirrored", 2)])
+@pytest.mark.slow
 def test_jit_compile_gives_the_weights_of_no_jit(data, strategy, devices):
     x, y = data
     weights = []

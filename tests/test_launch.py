@@ -39,7 +39,7 @@ from paraml.cluster.launch import (
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-LAUNCH_PY = SRC / "paraml" / "launch.py"
+LAUNCH_PY = SRC / "paraml" / "cluster" / "launch.py"
 
 # Shared start of every worker script: record the PID atomically, so the test can
 # check afterwards that the process is gone, and offer a bounded wait for a file.
@@ -814,6 +814,7 @@ def _launch_training(out: Path, launch_args: list[str], script_args: list[str]) 
 
 
 @_time_limit(480)
+@pytest.mark.slow
 def test_a_killed_worker_resumes_from_the_checkpoint_with_the_uninterrupted_weights(tmp_path: Path) -> None:
     """paraml launch -n 2 --max-restarts 2, worker 1 SIGKILLs itself once in epoch 2 (of 0..2): the launch exits 0
     and the chief's final weights equal an uninterrupted launch's; no process of the job outlives the launch."""
@@ -846,6 +847,7 @@ def test_a_killed_worker_resumes_from_the_checkpoint_with_the_uninterrupted_weig
 
 
 @_time_limit(120)
+@pytest.mark.slow
 def test_a_missing_worker_ends_the_wait_with_its_name(tmp_path: Path) -> None:
     """A worker whose TF_CONFIG names a task that never starts exits non-zero, naming it, within the timeout; with
     no timeout, SIGTERM still ends the wait."""

@@ -105,6 +105,7 @@ def test_a_job_whose_loss_becomes_nan_fails_alone(data):
     assert results["a"].ok and results["b"].ok
 
 
+@pytest.mark.slow
 def test_twenty_jobs_on_two_devices_each_run_on_exactly_one(data):
     x, y = data
     small = (x[:32], y[:32])

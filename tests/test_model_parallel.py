@@ -215,16 +215,19 @@ def assert_placed(par, max_share=None):
     ],
     ids=["sequential", "skip", "ops-between-layers", "nested", "shared-layer", "transformer"],
 )
+@pytest.mark.slow
 def test_parity_with_single(model_fn, data):
     par = assert_same_training(model_fn, data())
     assert_placed(par)
 
 
+@pytest.mark.slow
 def test_parity_subclassed():
     par = assert_same_training(subclassed, dense_data())
     assert [s.layers for s in par.plan.stages] in ([("first",), ("second", "out")], [("first", "second"), ("out",)])
 
 
+@pytest.mark.slow
 def test_gpt2_causal_lm_parity_and_placement():
     par = assert_same_training(gpt2, token_data(), loss=token_loss)
     assert_placed(par)
@@ -234,10 +237,12 @@ def test_gpt2_causal_lm_parity_and_placement():
     assert all(any(n.startswith("transformer_layer_") for n in s.layers) for s in par.plan.stages)
 
 
+@pytest.mark.slow
 def test_bert_classifier_parity_with_a_padding_mask():
     assert_same_training(bert, bert_data())
 
 
+@pytest.mark.slow
 def test_mobilenet_v2_parity_with_batch_norm_in_training():
     par = assert_same_training(mobilenet, image_data(), micro_batches=(1,), epochs=1)
     assert_placed(par)
@@ -245,6 +250,7 @@ def test_mobilenet_v2_parity_with_batch_norm_in_training():
 
 
 @pytest.mark.parametrize("model_fn", [gpt2, bert], ids=["gpt2", "bert"])
+@pytest.mark.slow
 def test_transformers_balance_their_parameters(model_fn):
     """Planned for the batch they train with and Adam: the larger device holds at most 60% of the parameters."""
     loss = token_loss if model_fn is gpt2 else logits_loss()

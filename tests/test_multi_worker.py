@@ -20,6 +20,7 @@ from paraml.cluster.config import ClusterConfigError, make_tf_config
 from paraml.cluster.launch import find_free_ports
 from paraml.demo import digits_model
 
+pytestmark = pytest.mark.slow  # every test starts worker processes
 SCRIPT = Path(__file__).parent / "scripts" / "multi_worker_train.py"
 
 

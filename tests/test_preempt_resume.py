@@ -11,6 +11,7 @@ import pytest
 
 from paraml.loop.preemption import EXIT_SIGTERM
 
+pytestmark = pytest.mark.slow  # every test starts worker processes
 SCRIPT = Path(__file__).parent / "scripts" / "preempt_train.py"
 
 

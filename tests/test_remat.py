@@ -47,6 +47,7 @@ def train(strategy, devices, model_fn, remat, **options):
     [("mirrored", 2, {}), ("central_storage", 2, {}), ("model_parallel", 2, {"micro_batches": 2})],
     ids=["mirrored", "central_storage", "model_parallel"],  # single: the transformer test below
 )
+@pytest.mark.slow
 def test_remat_keeps_the_weights_with_dropout_and_batch_statistics(strategy, devices, options):
     _, plain_loss, plain = train(strategy, devices, noisy_mlp, False, **options)
     par, loss, weights = train(strategy, devices, noisy_mlp, True, **options)
@@ -59,6 +60,7 @@ def test_remat_keeps_the_weights_with_dropout_and_batch_statistics(strategy, dev
 @pytest.mark.parametrize(
     "strategy, devices, options", [("mirrored", 2, {}), ("model_parallel", 2, {"micro_batches": 2})]
 )
+@pytest.mark.slow
 def test_remat_on_other_backends_equals_single_without_it(strategy, devices, options):
     _, want_loss, want = train("single", None, plain_mlp, False)
     _, loss, weights = train(strategy, devices, plain_mlp, True, **options)
@@ -67,6 +69,7 @@ def test_remat_on_other_backends_equals_single_without_it(strategy, devices, opt
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_remat_keeps_a_keras_hub_transformer_with_dropout_exact():
     def gpt2():
         backbone = keras_hub.models.GPT2Backbone(

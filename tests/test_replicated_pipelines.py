@@ -42,6 +42,7 @@ def trained(strategy, model_fn, data, loss, **options):
     [(mlp, mlp_data, logits_loss()), (gpt2, token_data, token_loss)],
     ids=["mlp", "gpt2"],
 )
+@pytest.mark.slow
 def test_two_pipelines_of_two_stages_train_as_single_on_the_global_batch(model_fn, data, loss):
     reference, want = trained("single", model_fn, data(), loss)
     par, got = trained("model_parallel", model_fn, data(), loss, devices=4, data_parallel=2, micro_batches=2)
@@ -77,6 +78,7 @@ def test_layouts_that_do_not_divide_the_devices_are_refused():
         Parallel("model_parallel", devices=8, data_parallel=2)
 
 
+@pytest.mark.slow
 def test_a_pipeline_per_worker_trains_as_single_and_resumes_after_a_killed_worker(tmp_path):
     """paraml launch -n 2 --max-restarts 1, each worker a 2-stage pipeline over its 2 devices (micro_batches=2);
     worker 1 SIGKILLs itself in epoch 2: the job restarts, resumes from the checkpoint, and both workers end with the

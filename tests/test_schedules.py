@@ -52,6 +52,7 @@ def tagger_and_classifier() -> keras.Model:
     return keras.Model(tokens, keras.layers.Dense(3)(h))
 
 
+@pytest.mark.slow
 def test_one_f_one_b_trains_like_gpipe():
     rng = np.random.default_rng(0)
     x = rng.integers(0, 50, (104, 6)).astype("int32")  # batches of 32 and a last one of 8: micro-batches of 1

@@ -72,6 +72,7 @@ def largest_share(par):
     [(mlp, mlp_data, logits_loss()), (gpt2, token_data, token_loss), (bert, bert_data, logits_loss())],
     ids=["mlp", "gpt2", "bert"],
 )
+@pytest.mark.slow
 def test_tensor_parallel_over_two_devices_trains_as_single(model_fn, data, loss):
     reference, want = trained("single", model_fn, data(), loss)
     par, got = trained("model_parallel", model_fn, data(), loss, devices=2, tensor_parallel=2)
@@ -95,6 +96,7 @@ def llama():
     return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
 
 
+@pytest.mark.slow
 def test_llama_with_grouped_query_attention_trains_as_single():
     cross_entropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     reference, want = trained("single", llama, token_data(), cross_entropy)
@@ -106,6 +108,7 @@ def test_llama_with_grouped_query_attention_trains_as_single():
     assert largest_share(par) <= 0.6
 
 
+@pytest.mark.slow
 def test_two_stages_of_two_tensor_shards_train_as_single():
     reference, want = trained("single", gpt2, token_data(), token_loss)
     par, got = trained("model_parallel", gpt2, token_data(), token_loss, devices=4, tensor_parallel=2, micro_batches=2)
@@ -117,6 +120,7 @@ def test_two_stages_of_two_tensor_shards_train_as_single():
     assert "self_attention: by attention heads" in text and "token_embedding: by vocabulary rows" in text
 
 
+@pytest.mark.slow
 def test_copies_of_a_tensor_parallel_pipeline_train_as_single():
     reference, want = trained("single", mlp, mlp_data(), logits_loss())
     par, got = trained("model_parallel", mlp, mlp_data(), logits_loss(), devices=4, tensor_parallel=2, data_parallel=2)
@@ -127,6 +131,7 @@ def test_copies_of_a_tensor_parallel_pipeline_train_as_single():
 
 
 @pytest.mark.filterwarnings("ignore:Skipping variable loading for optimizer")  # a .keras file holds the parts' slots
+@pytest.mark.slow
 def test_a_tensor_parallel_model_saves_loads_and_restores_on_any_backend(tmp_path):
     x = token_data()[0]
     adam = keras.optimizers.Adam(0.01)
@@ -244,6 +249,7 @@ def test_gradient_accumulation_keeps_each_parts_sums_on_its_device():
     assert len(set(accumulated)) == 2
 
 
+@pytest.mark.slow
 def test_the_cross_entropy_of_split_logits_is_computed_on_the_slices():
     cross_entropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     reference, want = trained("single", gpt2, token_data(), cross_entropy)

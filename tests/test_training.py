@@ -109,6 +109,7 @@ def test_verbose_shows_the_keras_progress_bar(capsys, data_1001):
     assert "Epoch 1/2" in out and "Epoch 2/2" in out and "11/11" in out and "loss:" in out
 
 
+@pytest.mark.slow
 def test_regression_metrics_and_loss_strings(data_1001):
     x, _ = data_1001
     target = x[:, :2] * 2.0
@@ -121,6 +122,7 @@ def test_regression_metrics_and_loss_strings(data_1001):
     assert result["mae"] == pytest.approx(float(np.mean(np.abs(predictions - target))), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_demo_trains_every_backend_to_90_percent_in_6_epochs():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     done = subprocess.run(

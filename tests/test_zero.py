@@ -48,6 +48,7 @@ def train(devices, shard, optimizer, epochs=3, **fit):
     ],
     ids=["adam-2", "adam-4", "adamw-2", "sgd-momentum-2", "adam-ema-2"],
 )
+@pytest.mark.slow
 def test_sharded_training_equals_mirrored(devices, optimizer, epochs):
     (plain, plain_history), (sharded, sharded_history) = (train(devices, s, optimizer, epochs) for s in (False, True))
     np.testing.assert_allclose(sharded_history.history["loss"], plain_history.history["loss"], rtol=1e-5)
@@ -73,6 +74,7 @@ def test_sharded_training_equals_mirrored(devices, optimizer, epochs):
     assert max(shards) <= (one_copy - scalars) / devices + largest
 
 
+@pytest.mark.slow
 def test_a_sharded_checkpoint_resumes_anywhere_and_any_checkpoint_resumes_sharded(tmp_path):
     x, y = data()
     straight, _ = train(2, True, "adam", epochs=4)
@@ -104,6 +106,7 @@ def test_owners_balance_bytes_and_bad_input_is_refused():
             Parallel(strategy, shard_optimizer=True)
 
 
+@pytest.mark.slow
 def test_a_loss_scale_optimizer_around_a_sharded_one_trains_alike():
     def make():
         return keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(3)])
