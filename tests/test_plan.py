@@ -66,3 +66,20 @@ def test_mesh_arranges_devices_on_named_axes() -> None:
     assert mesh.first_devices() == (("CPU:0", "CPU:2"), ("CPU:4", "CPU:6"))
     with pytest.raises(ValueError, match="devices=6 is not a multiple of data_parallel=4"):
         DeviceMesh.arrange([f"CPU:{i}" for i in range(6)], data=4)
+
+
+def test_a_backend_whose_build_model_applies_no_plan_is_told_what_to_add() -> None:
+    from paraml.backends import register, unregister
+    from paraml.backends.distribute import SingleBackend
+
+    @register("no_plan")
+    class NoPlan(SingleBackend):
+        def build_model(self, model_fn, optimizer=None, host_model=None, remat=False):  # noqa: ANN001, ANN201
+            with self.scope():
+                return model_fn()
+
+    try:
+        with pytest.raises(TypeError, match=r"did not apply a plan: .*self\.apply_plan\(model, plan\)"):
+            Parallel("no_plan").build(block_mlp, optimizer="sgd", loss="mse")
+    finally:
+        unregister("no_plan")

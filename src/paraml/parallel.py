@@ -287,6 +287,12 @@ class Parallel:
         model = self.backend.build_model(model_fn, optimizer, host_model, self.remat)
         if not isinstance(model, keras.Model):
             raise TypeError(f"model_fn must return a keras.Model, it returned {type(model).__name__}")
+        if model.weights and getattr(self.backend, "techniques", None) is None:
+            raise TypeError(
+                f"backend {type(self.backend).__name__}.build_model did not apply a plan: a build_model of one's own "
+                "ends with self.apply_plan(model, plan) (see Backend.build_model), so that the loop can read "
+                "backend.techniques"
+            )
         compile_args = {
             "optimizer": optimizer,
             "loss": loss,
