@@ -45,10 +45,8 @@ def count_reductions(par: object, x: object, y: object, loss: object) -> dict[st
     ``backward`` for the gradient's ops."""
     import tensorflow as tf
 
-    from paraml.parallelism.tensor_parallel import trained_variables
-
     model = par.model  # type: ignore[attr-defined]
-    variables = trained_variables(model)
+    variables = par.backend.techniques.trained_variables(model)  # type: ignore[attr-defined]
 
     @tf.function(autograph=False)
     def step(x: object, y: object) -> object:

@@ -58,6 +58,9 @@ HEAVY = ("tensorflow", "keras", "tf_keras")
 MAX_TOP_LEVEL_FILES = 12
 ID_KEYED_DICT = re.compile(r"\b[A-Z_][A-Z0-9_]*\[id\(")
 INTERNALS = "internals.py"  # relative to src/paraml: the one file allowed to touch Keras/TF internals
+#: attribute names ``setattr`` may put on another object, and why: data of one traced graph, which lives and dies with
+#: it (the plan is never kept this way)
+MARKERS_ALLOWED = {"GRAPH_SLICES": "the slices of a traced graph's joined tensors"}
 PRIVATE_ATTRIBUTES = (
     "flatten_layers|tracker|layers|inbound_nodes|trainable_variables|distribution_strategy|distributed_tf_update_step"
     "|collective_key_base|keras_mask|autocast|lock_state|self_tracked_trackables|obj_reference_counts|variables"
@@ -464,6 +467,29 @@ def check_id_keyed_dicts(root: Path = SRC) -> list[str]:
     return problems
 
 
+def check_markers(root: Path = SRC) -> list[str]:
+    """No ``setattr`` of a marker on another object (a Keras variable, layer, optimizer): what a plan decided is kept
+    by the plan's objects, never re-derived from attributes stuck on Keras' (``internals.py`` is exempt)."""
+    problems = []
+    for src in read_tree(root).values():
+        if src.path == root / INTERNALS:
+            continue
+        for node in ast.walk(src.tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"):
+                continue
+            target, name = (node.args + [None, None])[:2]
+            if isinstance(target, ast.Name) and target.id in ("self", "cls"):
+                continue
+            if isinstance(name, ast.Name) and name.id in MARKERS_ALLOWED:
+                continue
+            line = src.text.splitlines()[node.lineno - 1].strip()
+            problems.append(
+                f"{src.where}:{node.lineno}: `{line[:160]}` sets an attribute on another object: keep what the plan "
+                f"decided in the plan's own objects (an AppliedPlan, SplitWeights, ShardedSlots), keyed by the object"
+            )
+    return problems
+
+
 def check_private_access(root: Path = SRC) -> list[str]:
     """Only ``internals.py`` imports ``keras.src``/``tensorflow.python`` or reads private Keras/TF attributes."""
     problems = []
@@ -531,6 +557,12 @@ def test_top_level_files():
 
 def test_no_module_level_dicts_keyed_by_id():
     problems = check_id_keyed_dicts()
+    if problems:
+        pytest.fail(_report(problems), pytrace=False)
+
+
+def test_no_markers_on_other_objects():
+    problems = check_markers()
     if problems:
         pytest.fail(_report(problems), pytrace=False)
 
@@ -675,6 +707,13 @@ def test_the_other_rules_are_reported(tmp_path):
                 '    return getattr(v, "_distribution_strategy", None)\n'
                 "import tensorflow.python.ops\n"
             ),
+            "parallelism/t.py": (
+                "GRAPH_SLICES = 'x'\n"
+                "def tag(variable, graph, parts):\n"
+                "    setattr(self, 'parts', parts)\n"
+                "    setattr(graph, GRAPH_SLICES, {})\n"
+                "    setattr(variable, '_paraml_parts', parts)\n"
+            ),
             "internals.py": "def f(model):\n    return model._flatten_layers()\n",
         },
     )
@@ -690,3 +729,5 @@ def test_the_other_rules_are_reported(tmp_path):
     assert "uses ._layers:" in private[0] and "self._layers" in private[0]
     assert 'getattr(..., "_distribution_strategy")' in private[1]
     assert "uses tensorflow.python:" in private[2] and "move this access into src/paraml/internals.py" in private[2]
+    (marker,) = check_markers(root)
+    assert marker.startswith("paraml/parallelism/t.py:5:") and "sets an attribute on another object" in marker

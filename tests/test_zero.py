@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 
 from paraml import Parallel  # noqa: E402
 from paraml.memory import variable_bytes_by_device  # noqa: E402
-from paraml.parallelism.zero import owners  # noqa: E402
+from paraml.planning.footprint import owners  # noqa: E402
 
 
 def tagger() -> keras.Model:

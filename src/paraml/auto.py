@@ -203,19 +203,23 @@ def pipeline_copies(
 
 def tensor_shards(
     costs: Sequence[LayerCost],
-    split_bytes: Sequence[int],
+    saved_bytes: Callable[[int], Sequence[int]],
     num_devices: int,
     device_memory: int,
     slots_per_param: int,
 ) -> tuple[int, list[LayerCost]]:
     """The fewest devices (a divisor of ``num_devices``; 1 when every unit fits one) over which the units' split
-    layers (``split_bytes`` of each unit's parameters) must be shared for the largest unit to fit ``device_memory``,
-    and the units' costs per device with that split. The most devices when none is enough.
+    layers must be shared for the largest unit to fit ``device_memory``, and the units' costs per device with that
+    split. ``saved_bytes(n)`` gives, per unit, the parameter bytes a split over ``n`` devices takes off the device
+    holding most (:meth:`paraml.parallelism.tensor_parallel.TensorPlan.saved_bytes`, the formula the placement checks
+    with). The most devices when none is enough.
 
     Example:
+        >>> from paraml.planning.footprint import part_bytes
         >>> from paraml.planning.partition import LayerCost
         >>> costs = [LayerCost("embedding", 1000, 0), LayerCost("head", 100, 0)]  # x4 with gradients and 2 slots
-        >>> shards, per_device = tensor_shards(costs, [1000, 0], 4, device_memory=2000, slots_per_param=2)
+        >>> def saved(n): return [1000 - part_bytes(1000, 10, n), 0]  # the embedding's 10 rows split over n
+        >>> shards, per_device = tensor_shards(costs, saved, 4, device_memory=2000, slots_per_param=2)
         >>> shards, per_device[0].param_bytes
         (2, 500)
     """
@@ -223,9 +227,8 @@ def tensor_shards(
 
     shards, per_device = 1, list(costs)
     for shards in [n for n in range(1, num_devices + 1) if num_devices % n == 0]:
-        per_device = [
-            replace(c, param_bytes=c.param_bytes - b * (shards - 1) // shards) for c, b in zip(costs, split_bytes)
-        ]
+        saved = saved_bytes(shards) if shards > 1 else [0] * len(costs)
+        per_device = [replace(c, param_bytes=c.param_bytes - s) for c, s in zip(costs, saved)]
         if max(layer_cost(c, slots_per_param) for c in per_device) <= device_memory:
             break
     return shards, per_device
@@ -305,10 +308,12 @@ class AutoChoice:
             costs = unit_costs(as_is, measure["batch_size"], remat=remat)
             tensor = 1
             if max(layer_cost(c, slots) for c in costs) > memory:  # one unit alone does not fit: split its layers
-                split = plan_splits(host.model, 2, sample)
-                tensor, costs = tensor_shards(
-                    costs, [split.split_bytes(u.layer) for u in as_is.units], len(devices), memory, slots
-                )
+
+                def saved_bytes(shards: int) -> list[int]:  # as the placement will count them with that split
+                    split = plan_splits(host.model, shards, sample)
+                    return [split.saved_bytes(u.layer) for u in as_is.units]
+
+                tensor, costs = tensor_shards(costs, saved_bytes, len(devices), memory, slots)
             copies, largest = pipeline_copies(costs, len(devices) // tensor, memory, slots)
             self.decision = replace(self.decision, copies=copies, largest_stage=largest, tensor=tensor)
         chosen = backends.get_backend(self.decision.strategy)

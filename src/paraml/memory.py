@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from paraml.checks import check_int
-from paraml.parallelism.zero import owners
+from paraml.planning.footprint import held_bytes, largest_owner_share
 from paraml.planning.observe import Observation, observation_notes, observe_units, unit_costs, variable_bytes
 from paraml.planning.optimizers import optimizer_slots_per_param, slot_bytes
 from paraml.planning.sizes import format_bytes
@@ -209,21 +209,13 @@ def estimate_memory(
     notes: list[str] = []
     slots = _slot_bytes(optimizer, trainable, exact_slots, check_int("optimizer_shards", optimizer_shards), notes)
     if check_int("tensor_parallel", tensor_parallel) > 1:
-        from paraml.parallelism.tensor_parallel import part_sizes, plan_splits
+        from paraml.parallelism.tensor_parallel import plan_splits
 
         plan = plan_splits(model, tensor_parallel, sample)
-
-        def on_first_device(variables: list[Any]) -> int:
-            held = 0
-            for v in variables:
-                axis = plan.axes.get(id(v))
-                size = variable_bytes([v])
-                held += size if axis is None else size * part_sizes(v.shape[axis], tensor_parallel)[0] // v.shape[axis]
-            return held
-
         whole_gradients = gradients
-        parameters, gradients = on_first_device(model.weights), on_first_device(trainable)
-        slots = round(slots * gradients / max(whole_gradients, 1))
+        parameters = held_bytes(model.weights, plan.axes, tensor_parallel)
+        gradients = held_bytes(trainable, plan.axes, tensor_parallel)
+        slots = round(slots * gradients / max(whole_gradients, 1))  # slots in proportion to their variable's bytes
         notes.append(
             f"parameters, gradients and slots of the first of {tensor_parallel} tensor-parallel devices (its whole "
             "layers and the largest part of each split one); activations counted whole"
@@ -268,11 +260,8 @@ def _slot_bytes(optimizer: Any, trainable: list[Any], exact: bool, shards: int, 
     if slots is None:
         slots = variable_bytes(trainable) * optimizer_slots_per_param(optimizer)
     if shards > 1:
-        sizes = [variable_bytes([v]) for v in trainable]
-        load = [0] * shards
-        for size, device in zip(sizes, owners(sizes, shards)):
-            load[device] += size
-        slots = round(slots * max(load) / max(sum(sizes), 1))  # slots in proportion to their variable's bytes
+        share = largest_owner_share([variable_bytes([v]) for v in trainable], shards)
+        slots = round(slots * share)  # slots in proportion to their variable's bytes
         notes.append(f"optimizer slots of the device holding most of {shards} shards")
     return slots
 

@@ -22,7 +22,8 @@ import tensorflow as tf
 
 from paraml.devices import device_memory
 from paraml.parallelism.remat import recomputing
-from paraml.parallelism.tensor_parallel import WholeVariable, part_sizes, plan_splits
+from paraml.parallelism.tensor_parallel import WholeVariable, plan_splits
+from paraml.planning.footprint import part_sizes
 from paraml.planning.observe import HostModel, build_on_host, model_units, observation_notes, unit_costs
 from paraml.planning.optimizers import optimizer_slots_per_param
 from paraml.planning.partition import LayerCost, PartitionPlan, Stage, layer_cost, make_plan
@@ -86,10 +87,9 @@ def place_model(
     slots = optimizer_slots_per_param(optimizer) if optimizer is not None else 0
     costs = unit_costs(observation, b.batch_size, remat=remat)
     tensor_plan = plan_splits(probe, b.tensor_parallel, b.sample) if b.tensor_parallel > 1 else None
-    if tensor_plan is not None:  # a device of a stage holds 1/T of each split variable (activations: whole)
-        t = b.tensor_parallel
-        shared = {u.name: tensor_plan.split_bytes(u.layer) * (t - 1) // t for u in observation.units}
-        costs = [replace(c, param_bytes=c.param_bytes - shared.get(c.name, 0)) for c in costs]
+    if tensor_plan is not None:  # a stage's device holds the largest part of each split variable (activations: whole)
+        saved = {u.name: tensor_plan.saved_bytes(u.layer) for u in observation.units}
+        costs = [replace(c, param_bytes=c.param_bytes - saved.get(c.name, 0)) for c in costs]
     devices = b.stage_devices
     partition = make_plan(costs, b.partition, len(devices), slots)
     notes += _check_fits(b, partition, costs, slots)

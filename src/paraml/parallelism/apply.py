@@ -64,7 +64,7 @@ def apply_plan(model: keras.Model, plan: ParallelPlan, gate: Gate | None = None)
         def shard_devices(layer: Any) -> tuple[str, ...]:
             return plan.mesh.stage_group(current_replica(), stage_of_layer[id(layer)])
 
-        split = tensor_parallel.SplitLayers(plan.splits, shard_devices)
+        split = tensor_parallel.SplitLayers(plan.splits, tensor_parallel.SplitWeights(model), shard_devices)
         split.attach(model)
 
     # 2. stage placement: each unit's call on its stage's device of the replica traced, after the schedule's wait
@@ -105,12 +105,13 @@ class AppliedPlan:
         self.plan = plan
         self.split = split
         self.recomputed: list[str] = list(recomputed or ())
+        self.sharded = zero.ShardedSlots()  # the sharded optimizer's slots, where each lives (ZeRO-1)
 
     def trained_variables(self, model: keras.Model) -> list[Any]:
         """``model.trainable_variables``, a split weight replaced by its parts (what the gradient is taken for)."""
         if self.split is None:
             return list(model.trainable_variables)
-        return tensor_parallel.trained_variables(model)
+        return self.split.weights.trained_variables(model)
 
     def prepare_optimizer(self, optimizer: Any, model: keras.Model, topology: Any) -> Any:
         """``optimizer`` with its slots on owner replicas when the plan shards optimizer state (ZeRO-1)."""
@@ -120,6 +121,7 @@ class AppliedPlan:
             optimizer,
             model.trainable_variables,
             topology.devices,
+            self.sharded,
             num_workers=topology.num_workers,
             worker_index=topology.worker_index,
         )
@@ -128,7 +130,7 @@ class AppliedPlan:
         """Create ``optimizer``'s slots for the trained variables (a part's slots on the part's device, saved
         joined)."""
         if self.split is not None:
-            tensor_parallel.tag_slots(optimizer)
+            self.split.weights.record_slots(optimizer)
         optimizer.build(self.trained_variables(model))
 
     def prepare_loss(self, loss: Any) -> Any:
@@ -137,8 +139,14 @@ class AppliedPlan:
 
     def optimizer_state(self, optimizer: Any) -> list[Any]:
         """The optimizer's variables as a checkpoint stores them, each slot whole."""
-        return zero.whole_state(optimizer)
+        return zero.whole_state(optimizer, self.sharded, self._saved)
 
     def restorable_state(self, optimizer: Any) -> list[tuple[Any | None, tuple[int, ...]]]:
         """Each saved optimizer variable as a restore fills it, and its whole shape."""
-        return zero.restorable_state(optimizer)
+        return zero.restorable_state(optimizer, self.sharded, self._saved)
+
+    def _saved(self, variables: Any) -> list[Any]:
+        """An optimizer's unsharded variables as saved: a split weight's slots joined into one."""
+        if self.split is None:
+            return [v.value for v in variables]
+        return self.split.weights.saved_state(variables)

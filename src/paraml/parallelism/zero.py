@@ -1,12 +1,12 @@
 """Optimizer state sharded over the replicas (ZeRO stage 1): ``shard_optimizer=True`` under ``mirrored`` and
 ``multi_worker``.
 
-Under data parallelism every device holds a copy of every variable and of every optimizer slot (Adam's two
-moments: 8 of the 16 bytes per fp32 parameter). Here each trainable variable gets one **owner** replica (owners
-balanced by bytes, largest variables first, :func:`owners`; the replicas of every worker, worker after worker), its
-slots live only there, and only the owner runs the optimizer's update for it. The new values then reach every
-replica: on one machine an assignment to the mirrored variable (a broadcast); across workers one all-gather of the
-values each replica updated. Gradients are all-reduced as before, so one machine communicates as plain data
+Under data parallelism every device holds a copy of every variable and of every optimizer slot (Adam's two moments:
+8 of the 16 bytes per fp32 parameter). Here each trainable variable gets one **owner** replica (owners balanced by
+bytes, largest variables first, :func:`paraml.planning.footprint.owners`; the replicas of every worker, worker after
+worker), its slots live only there, and only the owner runs the optimizer's update for it. The new values then reach
+every replica: on one machine an assignment to the mirrored variable (a broadcast); across workers one all-gather of
+the values each replica updated. Gradients are all-reduced as before, so one machine communicates as plain data
 parallelism does, and several workers 1.5 times as much (an all-reduce and an all-gather).
 
 The optimizer is the user's Keras optimizer class, subclassed at run time (:func:`sharded_optimizer`) in two places
@@ -20,7 +20,7 @@ Checkpoints hold every slot whole, by position, as for any optimizer: :func:`who
 slots for a save (into every worker's host memory, for the save's duration) and :func:`restorable_state` leaves them
 out of a restore, so a sharded run restores on any backend, device count or sharding, and the other way round.
 
-Importing this module is cheap (:func:`owners` is plain Python); TensorFlow is imported when an optimizer is sharded.
+Importing this module is cheap; TensorFlow is imported when an optimizer is sharded.
 """
 
 from __future__ import annotations
@@ -36,27 +36,12 @@ from paraml.internals import (
     optimizer_strategy,
     resource_variable,
 )
+from paraml.planning.footprint import owners
 
 if TYPE_CHECKING:  # pragma: no cover
     import keras
 
-__all__ = ["owners", "restorable_state", "sharded_optimizer", "whole_state"]
-
-
-def owners(sizes: Sequence[int], num_devices: int) -> list[int]:
-    """The owner device (an index) of each variable of ``sizes`` bytes: largest first, to the least loaded device.
-
-    Example:
-        >>> owners([400, 100, 300, 200], 2)
-        [0, 0, 1, 1]
-    """
-    load = [0] * num_devices
-    found = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        device = load.index(min(load))
-        found[i] = device
-        load[device] += sizes[i]
-    return found
+__all__ = ["ShardedSlots", "restorable_state", "sharded_optimizer", "whole_state"]
 
 
 @dataclass(frozen=True)
@@ -70,7 +55,23 @@ class _Slot:
     here: bool
 
 
-_SLOT = "_paraml_slot"  # the attribute that marks a sharded slot
+class ShardedSlots:
+    """Which of a sharded optimizer's variables are sharded slots, and where each lives (kept by the applied plan,
+    not as attributes on the optimizer's variables). Entries hold the slots they are keyed by."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[Any, _Slot]] = {}
+
+    def record(self, slot: Any, where: _Slot) -> None:
+        self._by_id[id(slot)] = (slot, where)
+
+    def of(self, optimizer: Any) -> list[_Slot | None]:
+        """Where each of ``optimizer.variables`` lives; None for a variable that is not a sharded slot."""
+        found: list[_Slot | None] = []
+        for v in optimizer.variables:
+            entry = self._by_id.get(id(v))
+            found.append(entry[1] if entry is not None and entry[0] is v else None)
+        return found
 
 
 def _plain_variable_on(device: str) -> Callable[..., Any]:
@@ -129,12 +130,14 @@ def sharded_optimizer(
     optimizer: keras.optimizers.Optimizer,
     variables: Sequence[Any],
     devices: Sequence[str],
+    slots: ShardedSlots,
     *,
     num_workers: int = 1,
     worker_index: int = 0,
 ) -> keras.optimizers.Optimizer:
     """A copy of ``optimizer`` (created in the strategy's scope, like the original) whose slots for ``variables``
-    live on their owners among the replicas, and whose updates run there.
+    live on their owners among the replicas, and whose updates run there; each slot it makes is recorded in
+    ``slots``.
 
     ``devices`` are this worker's replicas (the strategy's, in its order); each of the ``num_workers`` workers has as
     many, and this one is ``worker_index``.
@@ -170,7 +173,7 @@ def sharded_optimizer(
             else:  # another worker's: nothing but a place in the optimizer's list
                 name = kwargs.get("name", args[0] if args else None)
                 slot = self.add_variable((0,), dtype=reference_variable.dtype, name=name)
-        setattr(slot, _SLOT, _Slot(tuple(reference_variable.shape), reference_variable.dtype, owner, here))
+        slots.record(slot, _Slot(tuple(reference_variable.shape), reference_variable.dtype, owner, here))
         return slot
 
     def _distributed_tf_update_step(self: Any, distribution: Any, grads_and_vars: Any, learning_rate: Any) -> None:
@@ -213,21 +216,20 @@ def sharded_optimizer(
     return sharded.from_config(optimizer.get_config())
 
 
-def _slots(optimizer: Any) -> list[_Slot | None]:
-    return [getattr(v, _SLOT, None) for v in optimizer.variables]
+#: ``saved(variables)``: an optimizer's variables as a checkpoint holds them when none is sharded (a split weight's
+#: slots joined, :meth:`paraml.parallelism.tensor_parallel.SplitWeights.saved_state`).
+Saved = Callable[[Sequence[Any]], list[Any]]
 
 
-def whole_state(optimizer: keras.optimizers.Optimizer) -> list[Any]:
+def whole_state(optimizer: keras.optimizers.Optimizer, sharded: ShardedSlots, saved: Saved) -> list[Any]:
     """``optimizer.variables`` as a checkpoint stores them: each slot whole.
 
     A slot held by another worker (``multi_worker`` with ``shard_optimizer=True``) is gathered from it into a
     temporary variable on the host: every worker must call this together (it is a collective).
     """
-    from paraml.parallelism.tensor_parallel import saved_state
-
-    variables, slots = optimizer.variables, _slots(optimizer)
+    variables, slots = optimizer.variables, sharded.of(optimizer)
     if all(s is None for s in slots):
-        return saved_state(variables)  # a split variable's slots joined (tensor_parallel)
+        return saved(variables)
     values = [v.value for v in variables]
     strategy = optimizer_strategy(optimizer)
     replicas = int(strategy.num_replicas_in_sync)
@@ -247,14 +249,14 @@ def whole_state(optimizer: keras.optimizers.Optimizer) -> list[Any]:
     return values
 
 
-def restorable_state(optimizer: keras.optimizers.Optimizer) -> list[tuple[Any | None, tuple[int, ...]]]:
+def restorable_state(
+    optimizer: keras.optimizers.Optimizer, sharded: ShardedSlots, saved: Saved
+) -> list[tuple[Any | None, tuple[int, ...]]]:
     """Each of ``optimizer.variables`` as a restore fills it, by position: the variable (None where the slot is
     another worker's) and its whole shape."""
-    from paraml.parallelism.tensor_parallel import saved_state
-
-    slots = _slots(optimizer)
+    slots = sharded.of(optimizer)
     if all(s is None for s in slots):
-        return [(value, tuple(value.shape)) for value in saved_state(optimizer.variables)]
+        return [(value, tuple(value.shape)) for value in saved(optimizer.variables)]
     return [
         (v.value, tuple(v.shape)) if s is None else (v.value if s.here else None, s.shape)
         for v, s in zip(optimizer.variables, slots)
