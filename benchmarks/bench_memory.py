@@ -16,7 +16,8 @@ micro-batches, ``schedule="gpipe"`` vs ``"1f1b"``: the peak of each (fresh proce
 GPipe's at 8 micro-batches.
 
 Models: ``mlp`` (16 Dense layers of 512 with GELU, batch 8192), ``gpt2`` and ``bert`` (keras_hub backbones, 4
-layers, hidden 256, sequence 128, batch 16, with an LM head / a classifier), ``cnn`` (``keras.applications``
+layers, hidden 256, sequence 128, batch 16, with an LM head / a classifier), ``gpt2dict`` (the same GPT-2 under the
+user's own head, its inputs a dict of unnamed ``keras.Input``), ``cnn`` (``keras.applications``
 MobileNetV2, 96x96, batch 32) and ``lstm`` (Embedding, two LSTMs of 256 units, sequence 100, batch 256).
 
     .venv/bin/python benchmarks/bench_memory.py [--models mlp gpt2 ...] [--time mlp gpt2] [--windows 5] [--json PATH]
@@ -32,7 +33,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-MODELS = ("mlp", "gpt2", "bert", "cnn", "lstm")
+MODELS = ("mlp", "gpt2", "gpt2dict", "bert", "cnn", "lstm")
 TIMED = ("mlp", "gpt2")
 
 
@@ -90,6 +91,14 @@ def workload(name: str):  # noqa: ANN201  (keras objects: imported late)
             return keras.Model(backbone.input, keras.layers.Dense(1000, name="lm_head")(backbone.output))
 
         return gpt2, x, tokens, 16
+    if name == "gpt2dict":
+
+        def gpt2dict() -> keras.Model:  # the user's own head over the backbone, a keras.Input per key of a dict
+            backbone = keras_hub.models.GPT2Backbone(**config)
+            inputs = {key: keras.Input((None,), dtype="int32") for key in ("token_ids", "padding_mask")}
+            return keras.Model(inputs, keras.layers.Dense(1000, name="lm_head")(backbone(inputs)))
+
+        return gpt2dict, x, tokens, 16
 
     def bert() -> keras.Model:
         backbone = keras_hub.models.BertBackbone(**config)

@@ -46,7 +46,7 @@ def count_reductions(par: object, x: object, y: object, loss: object) -> dict[st
     import tensorflow as tf
 
     model = par.model  # type: ignore[attr-defined]
-    variables = par.backend.techniques.trained_variables(model)  # type: ignore[attr-defined]
+    variables = par.trained_variables  # type: ignore[attr-defined]
 
     @tf.function(autograph=False)
     def step(x: object, y: object) -> object:

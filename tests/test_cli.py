@@ -76,6 +76,30 @@ def test_estimate_prints_the_breakdown(tmp_path):
     assert "note: optimizer slots of the device holding most of 2 shards" in recomputed.stdout
 
 
+@pytest.mark.slow
+def test_estimate_takes_the_sequence_length_or_a_sample(tmp_path):
+    module = tmp_path / "tokens.py"
+    module.write_text(
+        "import keras\nimport numpy as np\n"
+        "def make():\n"
+        "    return keras.Sequential([keras.Input((None,), dtype='int32'), keras.layers.Embedding(50, 16),\n"
+        "                             keras.layers.Dense(50)])\n"
+        "def batch():\n"
+        "    return np.ones((2, 64), 'int32')\n"
+    )
+
+    def activations(*options):
+        done = paraml("estimate", f"{module}:make", "--batch-size", "4", *options)
+        assert done.returncode == 0, done.stderr
+        (line,) = [line for line in done.stdout.splitlines() if line.startswith("activations")]
+        return int(line.split()[1].replace(",", ""))
+
+    unknown, long, sampled = activations(), activations("--seq-len", "64"), activations("--sample", f"{module}:batch")
+    assert long == sampled and long > 7 * unknown  # the default length is 8: activations grow with the length
+    bad = paraml("estimate", f"{module}:make", "--seq-len", "0")
+    assert bad.returncode == 2 and "--seq-len: expected a whole number >= 1, got '0'" in bad.stderr
+
+
 @pytest.mark.parametrize(
     "spec, message",
     [

@@ -40,8 +40,10 @@ from paraml.internals import (  # noqa: E402
     own_trainable_variables,
     resource_variable,
     shift_collective_keys,
+    state_unlocked,
     tensor_list_element_dtype,
     trackable_base,
+    untracked,
     uses_gate,
     while_body_graph,
 )
@@ -123,6 +125,51 @@ def test_a_joined_mask_is_the_one_keras_losses_read():
     )
     unmasked = concat_with_masks([y_pred[:1], y_pred[1:]], [[tf.constant([True])], [None]])
     assert keras_mask(unmasked) is None  # a part without a mask: none joined
+
+
+# -- Keras' attribute tracking --------------------------------------------------------------------------------------
+class _Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def _built_subclassed() -> keras.Model:
+    model = _Subclassed()
+    model(np.zeros((1, 3), "float32"))  # built at its first call; Keras then locks its state
+    with pytest.raises(ValueError, match="cannot add new elements of state"):
+        model.tracker = keras.metrics.Mean(name="refused")
+    return model
+
+
+def test_a_built_models_state_is_unlocked_for_a_block():
+    model = _built_subclassed()
+    with state_unlocked(model):
+        model.tracker = keras.metrics.Mean(name="taken")
+    assert "taken" in [m.name for m in model.metrics], changed(
+        "a metric set on a model whose _tracker is unlocked is no longer tracked", "state_unlocked"
+    )
+    with pytest.raises(ValueError, match="cannot add new elements of state"):  # locked again, with Keras' message
+        model.other = keras.metrics.Mean(name="after")
+    unbuilt = _Subclassed()
+    with state_unlocked(unbuilt):  # not locked: left as it is
+        unbuilt.tracker = keras.metrics.Mean(name="free")
+    unbuilt.later = keras.metrics.Mean(name="still_free")
+
+
+def test_attributes_set_untracked_are_not_a_layers_state():
+    model = _built_subclassed()
+    with untracked():
+        model.probe = keras.metrics.Mean(name="untracked")
+    assert model.probe.name == "untracked"
+    assert "untracked" not in [m.name for m in model.metrics], changed(
+        "DotNotTrackScope no longer keeps an attribute out of a layer's tracked state", "untracked"
+    )
+    with pytest.raises(ValueError, match="cannot add new elements of state"):  # tracking on again afterwards
+        model.other = keras.metrics.Mean(name="after")
 
 
 # -- tf.distribute --------------------------------------------------------------------------------------------------

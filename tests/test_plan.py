@@ -39,7 +39,7 @@ def test_model_parallel_plans_once_and_every_technique_reads_that_plan(plans_mad
     assert plan.remat and plan.micro_batches == 2 and plan.schedule.kind == "1f1b"
     assert {s.kind for s in plan.splits.splits} == {"columns", "rows"}
     # what the step trains is the split weights' parts, read from the applied plan
-    trained = par.backend.techniques.trained_variables(par.model)
+    trained = par.trained_variables
     assert len(trained) > len(par.model.trainable_variables)
     assert par.backend.techniques.recomputed  # remat applied from the plan
     text = plan.describe()

@@ -246,7 +246,7 @@ def test_gradient_accumulation_keeps_each_parts_sums_on_its_device():
     par, got = trained("model_parallel", mlp, mlp_data(), logits_loss(), optimizer=adam(), devices=2, tensor_parallel=2)
     assert_same_training(par, reference, got, want, mlp_data()[0])
     accumulated = [a.device for a in par._trainer.step.accumulators]
-    parts = par.backend.techniques.trained_variables(par.model)
+    parts = par.trained_variables
     assert accumulated == [v.value.device for v in parts]  # each part's on the part's device
     assert len(set(accumulated)) == 2
 
@@ -260,7 +260,7 @@ def test_the_cross_entropy_of_split_logits_is_computed_on_the_slices():
     assert_same_training(par, reference, got, want, token_data()[0])
 
     x, y = (tf.nest.map_structure(lambda a: a[:8], part) for part in token_data())
-    model, variables = par.model, par.backend.techniques.trained_variables(par.model)
+    model, variables = par.model, par.trained_variables
 
     def consumed_logits(loss_fn):
         """Tensors of the whole logits' shape that an op of one traced training step reads."""

@@ -33,11 +33,13 @@ _EXPORTS = {
     "ensure_devices": "devices",
     "list_devices": "devices",
     "load_digits": "data",
+    "OwnStepWarning": "loop.steps",
 }
 
 __all__ = [
     "Job",
     "JobResult",
+    "OwnStepWarning",
     "Parallel",
     "__version__",
     "ensure_devices",
@@ -51,6 +53,7 @@ __all__ = [
 if TYPE_CHECKING:  # pragma: no cover
     from paraml.data import load_digits
     from paraml.devices import ensure_devices, list_devices, simulate_devices
+    from paraml.loop.steps import OwnStepWarning
     from paraml.many import Job, JobResult, fit_many
     from paraml.memory import estimate_memory
     from paraml.parallel import Parallel

@@ -14,6 +14,11 @@ The rule, in order:
    that hold it (``tensor_parallel``, :func:`tensor_shards`);
 5. otherwise -> ``single`` (with ``remat=True`` when one device's known memory needs it).
 
+A model that cannot be measured (:func:`paraml.memory.unmeasurable_reason`: a GAN trained by its own ``train_step``
+through its parts has no ``call`` to trace; an unbuilt model) trains data-parallel, which needs no measurement
+(``mirrored`` on several devices, ``single`` on one), and :meth:`AutoDecision.explain` says why and, with
+``device_memory``, that whether it fits is unknown.
+
 Device memory comes from TensorFlow where it can tell (GPUs), else from the ``device_memory`` option
 (``"2GiB"``, ``"512MB"`` or bytes). Unknown memory counts as "fits": data parallelism is the faster default.
 
@@ -60,6 +65,8 @@ class AutoDecision:
     ``saved_estimate`` the estimate with them; ``tried`` every saving estimated, when none made the model fit.
     ``copies`` are the copies of the ``model_parallel`` pipeline (``data_parallel``), ``largest_stage`` the bytes
     of its largest stage, ``tensor`` the devices each stage's split layers span (``tensor_parallel``).
+    ``unmeasured`` says why the model could not be measured (then ``estimate`` is None), with ``parameters`` the
+    bytes of its variables; ``caveat`` what the estimate could not see (a probe batch the model refused).
     """
 
     strategy: str
@@ -73,6 +80,9 @@ class AutoDecision:
     copies: int = 1
     largest_stage: int | None = None
     tensor: int = 1
+    unmeasured: str = ""
+    parameters: int | None = None
+    caveat: str = ""
 
     @property
     def remat(self) -> bool:
@@ -88,6 +98,29 @@ class AutoDecision:
         """Why this strategy, with the numbers that decided it."""
         if self.strategy == "multi_worker":
             return f"chose 'multi_worker': TF_CONFIG describes a cluster of {self.num_workers} workers"
+        if self.unmeasured:
+            return self._explain_unmeasured()
+        text = self._explain_measured()
+        return f"{text}; {self.caveat}" if self.caveat else text
+
+    def _explain_unmeasured(self) -> str:
+        where = f"on {self.num_devices} devices" if self.num_devices > 1 else "(one device is available)"
+        text = (
+            f"the model could not be measured ({self.unmeasured}): chose {self.strategy!r} {where}, which needs no "
+            "measurement"
+        )
+        if self.device_memory is None:
+            return text
+        limit = format_bytes(self.device_memory)
+        if self.parameters is not None and self.parameters > self.device_memory:
+            return (
+                f"{text}; its variables alone take {format_bytes(self.parameters)} > device memory {limit}: it does "
+                "not fit one device, and auto splits only a model it can measure"
+            )
+        held = f" (its variables alone take {format_bytes(self.parameters)})" if self.parameters else ""
+        return f"{text}; whether it fits device memory {limit} is unknown{held}"
+
+    def _explain_measured(self) -> str:
         have = (
             f"device memory {format_bytes(self.device_memory)}"
             if self.device_memory is not None
@@ -155,16 +188,28 @@ def decide(
     estimate: MemoryEstimate | None,
     device_memory: int | None,
     savings: Sequence[tuple[dict[str, bool], MemoryEstimate]] = (),
+    unmeasured: str = "",
+    parameters: int | None = None,
 ) -> AutoDecision:
     """Apply the rule of this module (pure: no TensorFlow, so each branch is testable on its own).
 
     ``savings`` are the estimates with each of :data:`SAVINGS` that applies (given when ``estimate`` does not fit):
     the first that fits is taken, and the model trains data-parallel (or on its one device) with it.
+    ``unmeasured`` says why the model could not be measured (``parameters``: its variables' bytes): it trains
+    data-parallel, which needs no measurement.
+
+    Example:
+        >>> chosen = decide(num_workers=1, num_devices=2, estimate=None, device_memory=2**30, unmeasured="no call")
+        >>> chosen.strategy, chosen.explain().split("; ")[1]
+        ('mirrored', 'whether it fits device memory 1.00 GiB is unknown')
     """
+    if unmeasured:  # nothing to decide by: data parallelism needs no measurement
+        estimate, savings = None, ()
+    known = {"unmeasured": unmeasured, "parameters": parameters}
     fits = estimate is None or device_memory is None or estimate.total <= device_memory
     saved = None if fits else next(((k, e) for k, e in savings if e.total <= device_memory), None)  # type: ignore[operator]
     if num_workers > 1:
-        return AutoDecision("multi_worker", num_workers, num_devices, estimate, device_memory)
+        return AutoDecision("multi_worker", num_workers, num_devices, estimate, device_memory, **known)
     if num_devices <= 1:
         strategy = "single"
     elif fits or saved is not None:
@@ -173,8 +218,8 @@ def decide(
         strategy = "model_parallel"
     if saved is None:
         tried = () if fits else tuple(savings)
-        return AutoDecision(strategy, num_workers, num_devices, estimate, device_memory, tried=tried)
-    return AutoDecision(strategy, num_workers, num_devices, estimate, device_memory, dict(saved[0]), saved[1])
+        return AutoDecision(strategy, num_workers, num_devices, estimate, device_memory, tried=tried, **known)
+    return AutoDecision(strategy, num_workers, num_devices, estimate, device_memory, dict(saved[0]), saved[1], **known)
 
 
 def pipeline_copies(
@@ -266,13 +311,17 @@ class AutoChoice:
     ) -> tuple[Backend, HostModel | None]:
         """Measure the model, apply :func:`decide`, create the chosen backend; return it and the host build of the
         model when one was made (for the backend's ``build_model``). With ``remat`` (the user's), the model is
-        measured with recompute; else recompute is measured when the model does not fit without it."""
+        measured with recompute; else recompute is measured when the model does not fit without it. A model that
+        cannot be measured (:func:`paraml.memory.unmeasurable_reason`) trains data-parallel, which needs no
+        measurement."""
+        import keras
+
         from paraml import backends
         from paraml.devices import device_memory
-        from paraml.memory import estimate_memory
+        from paraml.memory import estimate_memory, unmeasurable_reason
         from paraml.parallelism.remat import recomputing
         from paraml.parallelism.tensor_parallel import plan_splits
-        from paraml.planning.observe import build_on_host, unit_costs
+        from paraml.planning.observe import build_on_host, unit_costs, variable_bytes
         from paraml.planning.optimizers import optimizer_slots_per_param
         from paraml.planning.partition import layer_cost
 
@@ -280,15 +329,22 @@ class AutoChoice:
         memory = self.options.get("device_memory")
         if memory is None:
             memory = device_memory(devices[0])
-        estimate, savings, host, as_is = None, [], None, None
+        estimate, savings, host, as_is, unmeasured, parameters = None, [], None, None, "", None
+        sample = self.options.get("sample")
+        batch_size = self.options.get("batch_size", 32)  # the global batch, as fit's batch_size
+        # a data-parallel replica computes its share of the global batch: that is what must fit one device
+        measure = {"batch_size": -(-batch_size // len(devices)), "optimizer": optimizer}
         if len(devices) > 1 or memory is not None:  # measured on the host: the model may not fit on one accelerator
             host = build_on_host(model_fn)
-            measure = {"batch_size": self.options.get("batch_size", 32), "optimizer": optimizer}
-            sample = self.options.get("sample")
-            observed = host.observe(sample=sample, recompute=recomputing if remat else None)
-            estimate = estimate_memory(host.model, remat=remat, observation=observed, **measure)
-            as_is = observed
-            if memory is not None and estimate.total > memory:
+            if isinstance(host.model, keras.Model):  # anything else: estimate_memory names what it got
+                unmeasured = unmeasurable_reason(host.model)
+            if unmeasured:
+                parameters = variable_bytes(host.model.weights)
+            else:
+                observed = host.observe(sample=sample, recompute=recomputing if remat else None)
+                estimate = estimate_memory(host.model, remat=remat, observation=observed, **measure)
+                as_is = observed
+            if estimate is not None and memory is not None and estimate.total > memory:
                 for settings in SAVINGS:
                     if (settings.get("shard_optimizer") and len(devices) < 2) or (remat and "remat" not in settings):
                         continue  # sharding needs replicas; the user's remat stays on
@@ -300,12 +356,25 @@ class AutoChoice:
                     )
                     savings.append((settings, saved))
         self.decision = decide(
-            num_workers=1, num_devices=len(devices), estimate=estimate, device_memory=memory, savings=savings
+            num_workers=1,
+            num_devices=len(devices),
+            estimate=estimate,
+            device_memory=memory,
+            savings=savings,
+            unmeasured=unmeasured,
+            parameters=parameters,
         )
+        if as_is is not None and as_is.problem:
+            caveat = (
+                f"{as_is.problem}: its activations were not measured (counted from its layers' outputs where known)"
+            )
+            if sample is None:
+                caveat += "; pass sample=<a batch of the model's inputs> to let auto measure them"
+            self.decision = replace(self.decision, caveat=caveat)
         partition = self.options.get("partition", "balanced")
         if self.decision.strategy == "model_parallel" and as_is is not None and memory and partition == "balanced":
             slots = optimizer_slots_per_param(optimizer)
-            costs = unit_costs(as_is, measure["batch_size"], remat=remat)
+            costs = unit_costs(as_is, batch_size, remat=remat)  # one pipeline's stages see the whole batch at most
             tensor = 1
             if max(layer_cost(c, slots) for c in costs) > memory:  # one unit alone does not fit: split its layers
 

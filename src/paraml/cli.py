@@ -74,20 +74,40 @@ def _env(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def _estimate(ns: argparse.Namespace) -> int:
     from paraml.memory import estimate_memory
 
     model_fn = load_object(ns.model)
     if not callable(model_fn):
         raise ValueError(f"{ns.model!r} is not a function that builds a model")
+    model, sample = model_fn(), None
+    if ns.sample is not None:
+        make_sample = load_object(ns.sample)
+        sample = make_sample() if callable(make_sample) else make_sample
+    elif ns.seq_len is not None:  # the model's inputs with every unknown non-batch dimension set to it
+        from paraml.planning.observe import probe_inputs
+
+        sample = probe_inputs(model, rows=2, unknown=ns.seq_len)[0]
     print(
         estimate_memory(
-            model_fn,
+            model,
             batch_size=ns.batch_size,
             optimizer=ns.optimizer,
             remat=ns.remat,
             optimizer_shards=ns.optimizer_shards,
             tensor_parallel=ns.tensor_parallel,
+            sample=sample,
         )
     )
     return 0
@@ -145,6 +165,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument(
         "--tensor-parallel", type=int, default=1, metavar="T", help="layers split over T devices (per device)"
+    )
+    shape = estimate.add_mutually_exclusive_group()
+    shape.add_argument(
+        "--seq-len",
+        type=_positive,
+        metavar="N",
+        help="size of every unknown non-batch input dimension (a sequence length, an image side); default 8",
+    )
+    shape.add_argument(
+        "--sample",
+        metavar="MODULE:NAME",
+        help="a batch of the model's inputs (or a function returning one) whose shapes the estimate measures",
     )
     estimate.set_defaults(run=_estimate)
 

@@ -13,7 +13,8 @@ Importing this module is cheap: Keras and TensorFlow are imported inside the fun
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -36,8 +37,10 @@ __all__ = [
     "own_trainable_variables",
     "resource_variable",
     "shift_collective_keys",
+    "state_unlocked",
     "tensor_list_element_dtype",
     "trackable_base",
+    "untracked",
     "uses_gate",
     "while_body_graph",
 ]
@@ -226,6 +229,42 @@ def attention_projections(layer: Any) -> dict[str, Any] | None:
     roles = ["query", "key", "value", *(["gate"] if uses_gate(layer) else []), "output"]
     found = {role: getattr(layer, f"_{role}_dense", None) for role in roles}
     return None if any(dense is None for dense in found.values()) else found
+
+
+# -- Keras' attribute tracking ----------------------------------------------------------------------------------------
+# Keras tracks the state a layer's attributes hold (variables, sub-layers, metrics, seed generators) and locks a
+# subclassed layer's tracker once it is built. A model's own ``compile`` may create state (the Keras GAN example's
+# loss trackers): in Keras it runs before ``fit`` builds the model, in paraml after the model has its weights.
+@contextmanager
+def state_unlocked(layer: Any) -> Iterator[None]:
+    """While the block runs, ``layer`` takes new state (metrics, sub-layers, variables) as it did before it was built;
+    it is locked again afterwards if it was.
+
+    Unlocks ``layer._tracker`` (Keras' ``Tracker.unlock``/``lock``, which ``Layer._lock_state`` locks at build): no
+    public API lets a built layer take new state, and Keras' own ``compile`` escapes the lock the same way (by
+    not tracking, :func:`untracked`).
+    """
+    tracker = getattr(layer, "_tracker", None)
+    if tracker is None or not tracker.locked:
+        yield
+        return
+    tracker.unlock()
+    try:
+        yield
+    finally:
+        tracker.lock()  # keeps Keras' message
+
+
+def untracked() -> AbstractContextManager[Any]:
+    """While the block runs, attributes set on any Keras layer are not tracked as its state (and a built layer does
+    not refuse them).
+
+    Returns ``keras.src.utils.tracking.DotNotTrackScope()``, the scope Keras' own ``Model.compile`` runs under
+    (``no_automatic_dependency_tracking``); it is not exported.
+    """
+    from keras.src.utils.tracking import DotNotTrackScope
+
+    return DotNotTrackScope()
 
 
 # -- TensorFlow graphs -------------------------------------------------------------------------------------------------

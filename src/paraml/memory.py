@@ -48,7 +48,14 @@ from paraml.planning.sizes import format_bytes
 if TYPE_CHECKING:  # pragma: no cover
     from paraml.planning.partition import LayerCost
 
-__all__ = ["MemoryEstimate", "estimate_memory", "layer_costs", "memory_by_device", "variable_bytes_by_device"]
+__all__ = [
+    "MemoryEstimate",
+    "estimate_memory",
+    "layer_costs",
+    "memory_by_device",
+    "unmeasurable_reason",
+    "variable_bytes_by_device",
+]
 
 
 @dataclass(frozen=True)
@@ -139,6 +146,37 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
+def unmeasurable_reason(model: Any) -> str:
+    """Why :func:`estimate_memory` cannot measure the ``keras.Model`` ``model``, with what would let it; ``""`` when
+    it can try (a probe batch may still fail: :attr:`paraml.planning.observe.Observation.problem`).
+
+    The memory is measured by tracing one call of the model, so a model without a ``call`` of its own (a GAN whose own
+    ``train_step`` calls its parts) cannot be measured whole, and an unbuilt one not yet.
+
+    Example:
+        >>> import keras
+        >>> unmeasurable_reason(keras.Sequential([keras.layers.Dense(2)], name="lazy")).split(":")[0]
+        "model 'lazy' is not built"
+        >>> unmeasurable_reason(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
+        ''
+    """
+    import keras
+
+    if type(model).call in (keras.Model.call, keras.layers.Layer.call):  # Keras' own: it raises NotImplementedError
+        parts = [name for name, value in vars(model).items() if isinstance(value, keras.Model)]
+        measure = ", ".join(f"estimate_memory(model.{name})" for name in parts) or "estimate_memory(part)"
+        return (
+            f"model {model.name!r} has no call of its own to trace (as a GAN whose own train_step calls its parts); "
+            f"its parts can be measured one by one: {measure}"
+        )
+    if not model.built:
+        return (
+            f"model {model.name!r} is not built: start it with keras.Input(...), or call model.build(input_shape) or "
+            "the model on a batch, before it is measured"
+        )
+    return ""
+
+
 def _resolve_model(model: Any) -> Any:
     import keras
 
@@ -146,11 +184,9 @@ def _resolve_model(model: Any) -> Any:
         model = model()
     if not isinstance(model, keras.Model):
         raise ValueError(f"expected a keras.Model or a zero-argument callable returning one, got {model!r}")
-    if not model.built:
-        raise ValueError(
-            f"model {model.name!r} is not built; start it with keras.Input(...) or call "
-            "model.build(input_shape) before estimating its memory"
-        )
+    reason = unmeasurable_reason(model)
+    if reason:
+        raise ValueError(reason)
     return model
 
 
@@ -192,7 +228,8 @@ def estimate_memory(
             estimate is); measured here when None.
 
     Raises:
-        ValueError: for an unbuilt model, a bad batch size or an unknown optimizer.
+        ValueError: for a model it cannot measure (:func:`unmeasurable_reason` says why), a bad batch size or an
+            unknown optimizer.
 
     Example:
         >>> import keras
@@ -278,7 +315,7 @@ def layer_costs(
     ``activation_bytes`` is the bytes of its outputs over all its calls, scaled to ``batch_size`` rows.
 
     Raises:
-        ValueError: for an unbuilt model or a bad batch size.
+        ValueError: for a model it cannot measure (:func:`unmeasurable_reason`) or a bad batch size.
 
     Example:
         >>> import keras

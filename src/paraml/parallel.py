@@ -25,7 +25,15 @@ from paraml.checks import check_int, check_verbose, did_you_mean
 from paraml.devices import no_gpu_reason
 from paraml.loop.batches import GlobalBatches, global_batches, split_validation, zeros_like_spec
 from paraml.loop.checkpoint import Checkpointing, CheckpointState, restore_checkpoint, save_checkpoint
-from paraml.loop.compiling import check_compile_names, compile_model, extra_optimizers, overrides
+from paraml.loop.compiling import (
+    MODEL_DEFAULT,
+    check_compile_names,
+    compile_default,
+    compile_model,
+    extra_optimizers,
+    given_arguments,
+    overrides,
+)
 from paraml.loop.training import Trainer
 from paraml.memory import memory_by_device
 from paraml.planning.plan import ParallelPlan
@@ -203,6 +211,19 @@ class Parallel:
         ``plan.describe()`` prints it."""
         return self.backend.plan
 
+    @property
+    def trained_variables(self) -> list[Any]:
+        """What the training step differentiates and the optimizer updates, after :meth:`build`: the model's
+        trainable variables, a weight split by ``tensor_parallel`` replaced by its parts (each on its device). A
+        loop or gradient of one's own takes these, not ``model.trainable_variables``.
+
+        Raises:
+            ValueError: before :meth:`build`.
+        """
+        if self._model is None:
+            raise ValueError("trained_variables exist after build(): call par.build(model_fn, ...) first")
+        return self.backend.techniques.trained_variables(self._model)
+
     def explain(self) -> str:
         """Why this strategy: for ``"auto"``, the rule's decision with its numbers; otherwise, that it was asked for."""
         if self._auto is not None and self._auto.decision is not None:
@@ -219,9 +240,12 @@ class Parallel:
         return text
 
     def describe(self) -> str:
-        """A readable description of the backend: its devices and, for ``model_parallel``, the stage table; after
-        :meth:`build`, the bytes of parameters and optimizer state on each device (:meth:`memory_by_device`)."""
+        """A readable description of the backend (for ``"auto"``, first why it was chosen): its devices and, for
+        ``model_parallel``, the stage table; after :meth:`build`, the bytes of parameters and optimizer state on each
+        device (:meth:`memory_by_device`)."""
         text = self.backend.describe()
+        if self._auto is not None and self._auto.decision is not None:  # why auto chose this backend
+            text = f"auto: {self._auto.decision.explain()}\n{text}"
         if self._model is not None and self._trainer is not None:
             rows = [
                 (device, format_bytes(b["parameters"]), format_bytes(b["optimizer"]))
@@ -248,13 +272,13 @@ class Parallel:
     def build(
         self,
         model_fn: Callable[[], keras.Model],
-        optimizer: Any = "rmsprop",
-        loss: Any = None,
-        metrics: Any = None,
+        optimizer: Any = MODEL_DEFAULT,
+        loss: Any = MODEL_DEFAULT,
+        metrics: Any = MODEL_DEFAULT,
         *,
-        loss_weights: Any = None,
-        weighted_metrics: Any = None,
-        auto_scale_loss: bool = True,
+        loss_weights: Any = MODEL_DEFAULT,
+        weighted_metrics: Any = MODEL_DEFAULT,
+        auto_scale_loss: Any = MODEL_DEFAULT,
         **compile_options: Any,
     ) -> keras.Model:
         """Create the model with ``model_fn()`` where the backend places it, and compile it as ``model.compile`` does.
@@ -263,20 +287,27 @@ class Parallel:
         ``keras.Input``), or subclassed (call ``model.build(input_shape)`` or call it on a batch inside
         ``model_fn``). ``optimizer``, ``loss``, ``metrics``, ``loss_weights``, ``weighted_metrics`` and
         ``auto_scale_loss`` take what ``keras.Model.compile`` takes, nested per output for multi-output models.
+        Only the arguments given reach the model's ``compile``: it keeps its own defaults for the others, as
+        ``model.compile(...)`` does (Keras' ``"rmsprop"`` optimizer; a keras_hub task's default optimizer, loss and
+        metrics or ``weighted_metrics``).
         ``steps_per_execution`` and ``jit_compile`` are options of :class:`Parallel`; ``run_eagerly`` is not
         supported (paraml's loop is always compiled).
 
         A model's own ``compile`` gets what it takes: further keyword arguments go to it (a GAN's
         ``d_optimizer=..., g_optimizer=..., loss_fn=...``), every optimizer among them re-created under the backend.
-        A model with its own ``train_step`` needs no ``loss``; its ``train_step``, ``test_step`` and
+        Its own ``compile`` may create state (a GAN's loss trackers), as in Keras. A model with its own
+        ``train_step`` needs no ``loss``; its ``train_step``, ``test_step`` and
         ``predict_step`` run on each replica, as in Keras' ``fit`` under the same strategy.
         """
         _check_build_arguments(model_fn, loss, metrics, weighted_metrics, compile_options)
+        # What the planners count optimizer slots for: Keras' default when none is given (a model whose compile
+        # picks another, a keras_hub task's Adam, is counted with it when it is given).
+        planned_optimizer = "rmsprop" if optimizer is MODEL_DEFAULT else optimizer
         host_model = None
         if self._backend is None:
             assert self._auto is not None
             self._seed_globals()  # auto's host build is the first build model_parallel would keep: seeded like it
-            self._backend, host_model = self._auto.choose(model_fn, optimizer, self.remat)
+            self._backend, host_model = self._auto.choose(model_fn, planned_optimizer, self.remat)
             assert self._auto.decision is not None
             self.remat = self.remat or self._auto.decision.remat  # auto recomputes when only that makes it fit
             self._warn_if_alone()
@@ -284,28 +315,35 @@ class Parallel:
         if note is not None and self._model is None:  # once per Parallel
             warnings.warn(note, stacklevel=2)
         self._seed_globals()
-        model = self.backend.build_model(model_fn, optimizer, host_model, self.remat)
+        model = self.backend.build_model(model_fn, planned_optimizer, host_model, self.remat)
         if not isinstance(model, keras.Model):
             raise TypeError(f"model_fn must return a keras.Model, it returned {type(model).__name__}")
+        if model.weights and not model.built and getattr(self.backend, "techniques", None) is None:
+            raise ValueError(
+                f"strategy {self.strategy!r} plans from a call of the model, and model {model.name!r} is not built: "
+                "build it inside model_fn (keras.Input, or call it on a batch); a model without its own call (a GAN "
+                "whose train_step calls its parts) trains under 'single', 'mirrored', 'central_storage' or "
+                "'multi_worker'"
+            )
         if model.weights and getattr(self.backend, "techniques", None) is None:
             raise TypeError(
                 f"backend {type(self.backend).__name__}.build_model did not apply a plan: a build_model of one's own "
                 "ends with self.apply_plan(model, plan) (see Backend.build_model), so that the loop can read "
                 "backend.techniques"
             )
-        compile_args = {
-            "optimizer": optimizer,
-            "loss": loss,
-            "loss_weights": loss_weights,
-            "metrics": [metrics] if isinstance(metrics, str) else metrics,
-            "weighted_metrics": [weighted_metrics] if isinstance(weighted_metrics, str) else weighted_metrics,
-            "auto_scale_loss": auto_scale_loss,
+        compile_args = given_arguments(  # only these override the model's own compile defaults
+            optimizer=optimizer,
+            loss=loss,
+            loss_weights=loss_weights,
+            metrics=metrics,
+            weighted_metrics=weighted_metrics,
+            auto_scale_loss=auto_scale_loss,
             **compile_options,  # the arguments of the model's own compile
-        }
-        if loss is None and not overrides(model, "train_step"):
+        )
+        if compile_args.get("loss", compile_default(model, "loss")) is None and not overrides(model, "train_step"):
             raise ValueError(
                 "loss is required, e.g. loss='sparse_categorical_crossentropy' (or one per output); only a model "
-                "with its own train_step trains without one"
+                "with its own train_step, or whose own compile picks a loss (a keras_hub task), trains without one"
             )
         self._model, self._trainer = model, None
         if model.weights:

@@ -19,23 +19,36 @@ import tensorflow as tf
 
 from paraml.backends.base import Backend
 from paraml.checks import did_you_mean
+from paraml.internals import state_unlocked, untracked
 from paraml.planning.observe import nested_layers
 from paraml.planning.optimizers import fresh_optimizer
 
-__all__ = ["Compiled", "check_compile_names", "compile_model", "decide_xla", "extra_optimizers", "overrides"]
+__all__ = [
+    "MODEL_DEFAULT",
+    "Compiled",
+    "check_compile_names",
+    "compile_default",
+    "compile_model",
+    "decide_xla",
+    "extra_optimizers",
+    "given_arguments",
+    "overrides",
+]
 
 #: The step methods a model may override; paraml runs the model's own (per replica, as Keras' ``fit`` does).
 STEP_METHODS = ("train_step", "test_step", "predict_step")
 
-#: ``Parallel.build``'s compile arguments and their defaults (those of ``keras.Model.compile``, except ``loss``).
-DEFAULT_BUILD_ARGUMENTS: Mapping[str, Any] = {
-    "optimizer": "rmsprop",
-    "loss": None,
-    "loss_weights": None,
-    "metrics": None,
-    "weighted_metrics": None,
-    "auto_scale_loss": True,
-}
+
+class _ModelDefault:
+    """The value of a ``Parallel.build`` argument the caller did not give."""
+
+    def __repr__(self) -> str:
+        return "<the model's compile default>"
+
+
+#: The default of ``Parallel.build``'s compile arguments: not given, so the model's own ``compile`` default applies
+#: (Keras' for a plain model, a keras_hub task's ``"auto"`` for a task), as in ``model.compile(...)`` without it.
+MODEL_DEFAULT: Any = _ModelDefault()
 
 #: Arguments of ``keras.Model.compile`` that are options of ``Parallel`` (or refused) rather than of ``build``.
 PARALLEL_OPTIONS = ("run_eagerly", "steps_per_execution", "jit_compile")
@@ -90,26 +103,55 @@ def extra_optimizers(model: keras.Model) -> dict[str, keras.optimizers.Optimizer
     return found
 
 
-def compile_model(
-    backend: Backend, model: keras.Model, compile_args: dict[str, Any], jit_compile: bool | str
-) -> Compiled:
-    """Create the optimizer under the backend's scope and compile ``model`` as ``model.compile`` does.
+def given_arguments(**arguments: Any) -> dict[str, Any]:
+    """The arguments the caller gave (those not :data:`MODEL_DEFAULT`), a lone metric name as a list as Keras takes
+    it.
+
+    >>> given_arguments(optimizer="adam", loss=MODEL_DEFAULT, metrics="mae", weighted_metrics=None)
+    {'optimizer': 'adam', 'metrics': ['mae'], 'weighted_metrics': None}
+    """
+    given = {name: value for name, value in arguments.items() if value is not MODEL_DEFAULT}
+    for name in ("metrics", "weighted_metrics"):
+        if isinstance(given.get(name), str):
+            given[name] = [given[name]]
+    return given
+
+
+def compile_default(model: keras.Model, name: str) -> Any:
+    """The default of argument ``name`` of ``model.compile`` (Keras' own where the model's compile passes it on
+    through ``**kwargs``); ``inspect.Parameter.empty`` when it takes no such argument or it has no default."""
+    for compile_method in (model.compile, keras.Model.compile):
+        parameters = inspect.signature(compile_method).parameters
+        if name in parameters:
+            return parameters[name].default
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            break
+    return inspect.Parameter.empty
+
+
+def compile_model(backend: Backend, model: keras.Model, given: dict[str, Any], jit_compile: bool | str) -> Compiled:
+    """Create the optimizer under the backend's scope and compile ``model`` as ``model.compile(**given)`` does.
+
+    ``given`` holds only the arguments the caller gave: the model's own ``compile`` keeps its defaults for the others
+    (a keras_hub task's default optimizer, loss and ``weighted_metrics``), as in Keras. Its optimizer and loss, when
+    not given, are the ones its ``compile`` picks.
 
     Keras accumulates gradients inside ``apply_gradients`` with a ``cond`` that breaks under tf.distribute (a
     ``merge_call`` in the ``cond``): the optimizer is re-created without it and the loop accumulates instead, with
     the same rule (``Compiled.accumulation_steps``).
 
     A model whose own ``compile`` takes no ``optimizer`` (a GAN's ``compile(d_optimizer=, g_optimizer=,
-    loss_fn=)``) gets the arguments its ``compile`` names, with every optimizer among them re-created under the
-    backend's scope (a Keras optimizer keeps the strategy it was created under).
+    loss_fn=)``) gets the arguments given, with every optimizer among them re-created under the backend's scope (a
+    Keras optimizer keeps the strategy it was created under). A model's own ``compile`` may create state (loss
+    trackers, layers) although the model is built already: in Keras it runs before ``fit`` builds the model.
     """
     _check_layers(backend, model)
     own_train_step = overrides(model, "train_step")
     problem = backend.capabilities.own_train_step_problem
     if own_train_step and problem is not None:
         raise ValueError(f"{type(model).__name__} has its own train_step, which {backend.name!r} cannot run: {problem}")
-    arguments = _arguments_for(model, compile_args)
-    if "optimizer" in arguments:
+    arguments = _arguments_for(model, given)
+    if _takes(model, "optimizer"):
         accumulation = _compile_keras(backend, model, arguments)
     else:  # its own compile: optimizers re-created under the backend's scope, the rest as given
         accumulation = None
@@ -117,8 +159,7 @@ def compile_model(
             arguments = {
                 k: fresh_optimizer(v) if isinstance(v, keras.optimizers.Optimizer) else v for k, v in arguments.items()
             }
-        with backend.metrics_scope():
-            model.compile(**arguments)
+        _call_compile(backend, model, arguments)
     if accumulation and own_train_step:
         raise ValueError(
             f"{type(model).__name__} has its own train_step, which applies the gradients itself: paraml cannot "
@@ -136,17 +177,38 @@ def compile_model(
     return Compiled(accumulation, xla, reason)
 
 
-def _compile_keras(backend: Backend, model: keras.Model, compile_args: dict[str, Any]) -> int | None:
+def _call_compile(backend: Backend, model: keras.Model, arguments: dict[str, Any]) -> None:
+    """``model.compile(**arguments)`` where metric variables belong; state its own compile creates is the model's
+    although the model is built (Keras compiles before ``fit`` builds, and locks a built model's state)."""
+    with backend.metrics_scope(), state_unlocked(model):
+        model.compile(**arguments)
+
+
+def _chosen_by_model(backend: Backend, model: keras.Model, given: dict[str, Any]) -> tuple[Any, Any]:
+    """The optimizer and loss of ``model.compile(**given)``: the given ones, else those its compile picks (Keras'
+    ``"rmsprop"``, a keras_hub task's ``"auto"``), found by compiling once without tracking what it creates."""
+    if "optimizer" in given and "loss" in given:
+        return given["optimizer"], given["loss"]
+    with backend.metrics_scope(), untracked():  # the real compile follows: nothing of this one stays tracked
+        model.compile(**given)
+    optimizer = given.get("optimizer", model.optimizer)
+    if "optimizer" not in given and isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer  # Keras' own wrapping (mixed_float16): paraml wraps it under the backend
+    return optimizer, given.get("loss", getattr(model, "loss", None))
+
+
+def _compile_keras(backend: Backend, model: keras.Model, given: dict[str, Any]) -> int | None:
     """``model.compile`` with the optimizer made under the backend's scope; the gradient accumulation steps."""
+    chosen_optimizer, chosen_loss = _chosen_by_model(backend, model, given)
     with backend.scope():
-        optimizer = fresh_optimizer(compile_args["optimizer"])
+        optimizer = fresh_optimizer(chosen_optimizer)
         accumulation = optimizer.gradient_accumulation_steps
         if accumulation:
             config = {**optimizer.get_config(), "gradient_accumulation_steps": None}
             optimizer = optimizer.__class__.from_config(config)
         techniques = backend.techniques  # the plan's, applied to the model: sharded slots, a split weight's parts
         optimizer = techniques.prepare_optimizer(optimizer, model, backend.topology)
-        if compile_args.get("auto_scale_loss", True) and model.dtype_policy.name == "mixed_float16":
+        if given.get("auto_scale_loss", True) and model.dtype_policy.name == "mixed_float16":
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)  # as compile would, but under the strategy
         problem = backend.capabilities.loss_scaling_problem
         if problem is not None and isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
@@ -156,33 +218,31 @@ def _compile_keras(backend: Backend, model: keras.Model, compile_args: dict[str,
                 "auto_scale_loss=False)"
             )
         techniques.build_optimizer(optimizer, model)
-    loss = techniques.prepare_loss(compile_args.get("loss"))  # split logits' cross-entropy on the slices
-    with backend.metrics_scope():
-        model.compile(**{**compile_args, "optimizer": optimizer, "loss": loss})
+    arguments = {**given, "optimizer": optimizer}
+    if _takes(model, "loss"):
+        arguments["loss"] = techniques.prepare_loss(chosen_loss)  # split logits' cross-entropy on the slices
+    _call_compile(backend, model, arguments)
     return accumulation
 
 
-def _arguments_for(model: keras.Model, compile_args: Mapping[str, Any]) -> dict[str, Any]:
-    """The arguments of ``build`` that ``model.compile`` takes: a default it does not take is left out, anything
-    else it does not take is a ``TypeError`` naming what it takes."""
-    accepted = inspect.signature(model.compile).parameters
-    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-    arguments = {}
-    for name, value in compile_args.items():
-        if open_ended or name in accepted:
-            arguments[name] = value
-        elif name not in DEFAULT_BUILD_ARGUMENTS or not _is_default(name, value):
+def _takes(model: keras.Model, name: str) -> bool:
+    """Whether ``model.compile`` takes argument ``name`` (by name, or through ``**kwargs``)."""
+    parameters = inspect.signature(model.compile).parameters
+    return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def _arguments_for(model: keras.Model, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The given arguments, each one ``model.compile`` takes; one it does not take is a ``TypeError`` naming what it
+    takes (as Keras raises for ``model.compile(...)``)."""
+    for name in given:
+        if not _takes(model, name):
+            accepted = inspect.signature(model.compile).parameters
             takes = [k for k in accepted if k not in PARALLEL_OPTIONS]
             raise TypeError(
                 f"build() got an unexpected keyword argument {name!r}{did_you_mean(name, takes)}: "
                 f"{type(model).__name__}.compile() takes {', '.join(takes)}"
             )
-    return arguments
-
-
-def _is_default(name: str, value: Any) -> bool:
-    default = DEFAULT_BUILD_ARGUMENTS[name]
-    return value is default or (isinstance(value, type(default)) and value == default)
+    return dict(given)
 
 
 def decide_xla(jit_compile: bool | str, backend: Backend, model: keras.Model) -> tuple[bool, str]:

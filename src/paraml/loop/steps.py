@@ -13,13 +13,18 @@ leaves a replica empty, also for the micro-batches of ``model_parallel``, and a 
 batch's real tokens, as on one device (Keras under ``MirroredStrategy`` averages the replicas' token means instead).
 
 A model that overrides ``train_step``, ``test_step`` or ``predict_step`` runs its own, on each replica, as Keras'
-``fit`` does under the same strategy; its logs are reduced over the replicas as Keras reduces them.
+``fit`` does under the same strategy; its logs (nested dicts flattened as Keras flattens them) are reduced over the
+replicas as Keras reduces them. With more than one replica that is not the one-device step, which a one-time
+:class:`OwnStepWarning` says, with how to write a step that is.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import keras
@@ -30,7 +35,7 @@ from paraml.internals import keras_mask
 from paraml.loop.batches import GlobalBatches, zeros_like_spec
 from paraml.loop.compiling import STEP_METHODS, extra_optimizers, overrides
 
-__all__ = ["ReplicaStep"]
+__all__ = ["OwnStepWarning", "ReplicaStep"]
 
 #: An objective's loss parts: [loss x rows, a masked output's loss x its real tokens, the real tokens]; each adds up
 #: over micro-batches and replicas.
@@ -39,6 +44,53 @@ LOSS_PARTS = 3
 #: A compiled execution: ``function(iterator, stop) -> (metrics, stop agreed by every worker)`` for train and test,
 #: ``function(iterator, stop) -> outputs`` for predict.
 StepFunction = Callable[[Iterator[Any], tf.Tensor], Any]
+
+
+class OwnStepWarning(UserWarning):
+    """A model's own ``train_step`` runs per replica, as in Keras under the same strategy, not as on one device."""
+
+
+def own_step_warning(model_name: str, replicas: int) -> str:
+    """What differs from one device when ``model_name``'s own ``train_step`` runs on ``replicas`` replicas, and how to
+    write a step that is exact."""
+    return (
+        f"{model_name}.train_step runs on each of the {replicas} replicas on its share of the batch, as Keras' fit "
+        "runs it under a tf.distribute strategy, not as on one device: the optimizer sums the replicas' gradients; "
+        f"self.compute_loss and keras.losses divide their mean over the replica's rows by {replicas} (one device's "
+        f"gradients when the replicas have as many rows, but a loss logged from them is 1/{replicas} of one device's); "
+        f"a loss you average yourself is not divided ({replicas}x one device's gradients). For the one-device step, "
+        "make the loss this replica's share of the global batch's mean: global_rows = "
+        "tf.distribute.get_replica_context().all_reduce('sum', tf.shape(x)[0]); loss = "
+        "tf.nn.compute_average_loss(per_example_loss, global_batch_size=global_rows) (or, for a mean over the "
+        "replica's rows you computed, mean_loss * local_rows / global_rows), and log per_example_loss through a "
+        "keras.metrics.Mean. See 'Your own train_step' in docs/guide.md; once the step is exact: "
+        "warnings.simplefilter('ignore', paraml.OwnStepWarning)."
+    )
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` of the first caller outside paraml (a warning then shows the user's line, ``par.fit``)."""
+    package = str(Path(__file__).resolve().parents[1])
+    frame, level = inspect.currentframe(), 0
+    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return max(level, 1)
+
+
+def flat_logs(logs: dict[Any, Any]) -> dict[Any, Any]:
+    """A step's logs with nested dicts flattened as Keras' callbacks flatten them (``pythonify_logs``): names in
+    sorted order, a dict's entries in its place under their own names, a later name replacing an earlier one.
+
+    >>> flat_logs({"loss": 1.0, "compile_metrics": {"mae": 2.0, "more": {"mse": 3.0}}})
+    {'mae': 2.0, 'mse': 3.0, 'loss': 1.0}
+    """
+    flat: dict[Any, Any] = {}
+    for name, value in sorted(logs.items()):
+        if isinstance(value, dict):
+            flat.update(flat_logs(value))
+        else:
+            flat[name] = value
+    return flat
 
 
 def _rows(x: Any) -> tf.Tensor:
@@ -108,6 +160,7 @@ class ReplicaStep:
         self._masked = False  # whether the loss is the mean over a masked output's real tokens
         self._metrics_built = False
         self._output_dtypes: Any = None
+        self._warned = False  # the own train_step's warning (more than one replica): once per model
 
     # -- before the first step: Keras' compiled loss and metrics, the output dtypes -----------------------------------
     def build_metrics(self, source: GlobalBatches) -> None:
@@ -322,14 +375,22 @@ class ReplicaStep:
         replicas (Keras' reduction of a step's logs under tf.distribute)."""
         method = getattr(self.model, f"{kind}_step")
 
+        where = f"{type(self.model).__name__}.{kind}_step"
+
+        def as_row(name: Any, value: Any) -> tf.Tensor:
+            value = tf.convert_to_tensor(value)
+            if not (value.dtype.is_floating or value.dtype.is_integer or value.dtype.is_bool):
+                raise TypeError(f"{where} logged {name!r} as a {value.dtype.name} tensor: a log must be a number")
+            return tf.expand_dims(tf.cast(value, tf.float32), 0)
+
         def step(x: Any, y: Any, w: Any) -> dict[str, tf.Tensor]:
             logs = method(_keras_data(x, y, w, targeted, weighted))
             if not isinstance(logs, dict):
                 raise TypeError(
-                    f"{type(self.model).__name__}.{kind}_step returned {type(logs).__name__}: it must return a dict "
-                    "of logs, e.g. {m.name: m.result() for m in self.metrics}"
+                    f"{where} returned {type(logs).__name__}: it must return a dict of logs, e.g. "
+                    "{m.name: m.result() for m in self.metrics}"
                 )
-            return {name: tf.expand_dims(tf.cast(value, tf.float32), 0) for name, value in logs.items()}
+            return {name: as_row(name, value) for name, value in flat_logs(logs).items()}
 
         return step
 
@@ -350,6 +411,11 @@ class ReplicaStep:
         an iterator (with the user's sample weights when ``weighted``; ``targeted``: the user gave targets)."""
         updates = self._updates(steps) if kind == "train" else ()
         key = (kind, steps, updates, weighted, targeted)
+        if kind == "train" and "train_step" in self.own_steps and self.replicas > 1 and not self._warned:
+            self._warned = True
+            warnings.warn(
+                own_step_warning(type(self.model).__name__, self.replicas), OwnStepWarning, stacklevel=_callers_level()
+            )
         if key not in self._functions:
             if f"{kind}_step" in self.own_steps and kind != "predict":
                 execution = self._own_execution(kind, steps, targeted, weighted)

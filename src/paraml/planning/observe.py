@@ -276,9 +276,10 @@ def _symbolic_output_bytes(layer: Any, batch_size: int) -> int | None:
 def probe_inputs(model: Any, rows: int = PROBE_ROWS[0], unknown: int = PROBE_DIMS[0]) -> tuple[Any, bool]:
     """A batch of ones of ``rows`` rows that ``model`` accepts, and whether some non-batch dimension was unknown.
 
-    Functional and Sequential models give their inputs' shapes, dtypes and names (several inputs as a dict keyed by
-    input name); other models the input shape they were built with (``get_build_config()``), as float32. Unknown
-    non-batch dimensions get the size ``unknown``.
+    Functional and Sequential models give their inputs' shapes and dtypes, in the structure the model was made with
+    (a dict keyed as its inputs dict, whatever its tensors are named; nested lists); other models the input shape
+    they were built with (``get_build_config()``), as float32. Unknown non-batch dimensions get the size
+    ``unknown``.
 
     Raises:
         ValueError: for a model that tells neither its inputs nor the shape it was built with.
@@ -309,6 +310,15 @@ def probe_inputs(model: Any, rows: int = PROBE_ROWS[0], unknown: int = PROBE_DIM
             return np.full(dims, "1", dtype=object)
         return np.ones(dims, dtype=name)
 
+    import keras
+
+    try:  # the structure the model was made with: a dict keyed as its inputs dict is, nested lists...
+        structure = model.input
+    except (AttributeError, ValueError):  # a Sequential not yet called, a subclassed model
+        structure = None
+    leaves = keras.tree.flatten(structure) if structure is not None else []
+    if leaves and all(isinstance(leaf, keras.KerasTensor) for leaf in leaves):
+        return keras.tree.map_structure(lambda t: ones(t.shape, t.dtype), structure), had_unknown
     inputs = None
     try:
         inputs = model.inputs

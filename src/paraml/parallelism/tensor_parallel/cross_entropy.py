@@ -17,7 +17,9 @@ def sparse_categorical_crossentropy(
     tied LM head or a columns-split last ``Dense`` under ``tensor_parallel``), computed on the slices
     (vocabulary-parallel, as Megatron-LM does): each device takes the maximum, the sum of exponentials and the target
     logit of its slice, and only those (one value per token) are combined. Neither the whole logits nor their gradient
-    is made on one device. Elsewhere (other tensors, probabilities, ``ignore_class``) it is Keras' own.
+    is made on one device. Slices in a 16-bit float dtype are computed in float32 (the maximum, the sums of
+    exponentials and the target logits), the loss returned in the logits' dtype as Keras returns it. Elsewhere (other
+    tensors, probabilities, ``ignore_class``) it is Keras' own.
 
     :func:`split_logits_loss` puts it into a ``keras.losses.SparseCategoricalCrossentropy``; a loss function of one's
     own can call it in place of Keras'.
@@ -34,6 +36,13 @@ def sparse_categorical_crossentropy(
     if labels.shape.rank == y_pred.shape.rank and labels.shape[-1] == 1:
         labels = tf.squeeze(labels, -1)
     labels = tf.cast(labels, "int32")
+    dtype = pieces[0].dtype
+    if dtype in (tf.bfloat16, tf.float16):  # each slice cast on its device (exact); only per-token values move
+        wide = []
+        for piece in pieces:
+            with tf.device(piece.device):
+                wide.append(tf.cast(piece, tf.float32))
+        pieces = wide
     highest, sums, targets = [], [], []
     for piece in pieces:
         with tf.device(piece.device):
@@ -49,7 +58,7 @@ def sparse_categorical_crossentropy(
             picked = tf.gather(piece, tf.where(inside, local, 0), axis=-1, batch_dims=labels.shape.rank)
             targets.append(tf.where(inside, picked, tf.zeros_like(picked)))
         start += size
-    return tf.math.log(tf.add_n(sums)) + shift - tf.add_n(targets)
+    return tf.cast(tf.math.log(tf.add_n(sums)) + shift - tf.add_n(targets), dtype)
 
 
 def split_logits_loss(loss: Any) -> Any:

@@ -3,6 +3,13 @@ part on its device, and its output's slices are joined where a consumer needs th
 
 A rows-split layer and the cross-entropy take a joined tensor's slices without the join (:func:`slices_of`); a
 join nothing reads is never computed.
+
+Under mixed precision (``mixed_bfloat16``, ``mixed_float16``) the one reduction of a rows-split layer or of a
+heads-split attention's output projection is made in float32, as Megatron-LM reduces: each partial product is computed
+in float32 from the layer's 16-bit operands (exact in float32, as one device's 16-bit matmul multiplies and
+accumulates them), the partials are added in float32 and the sum is rounded once to the layer's compute dtype; the bias
+and the activation then follow in that dtype, as in Keras' ``Dense``/``EinsumDense``. The result is one device's up to
+the order of the additions; partials rounded to 16 bits before the sum would each add their own round-off.
 """
 
 from __future__ import annotations
@@ -23,6 +30,31 @@ def _product(layer: Any, x: Any, kernel: Any) -> Any:
     if hasattr(layer, "equation"):
         return keras.ops.einsum(layer.equation, x, kernel)
     return keras.ops.matmul(x, kernel)
+
+
+#: Float dtypes whose partial products are computed and added in float32 (:func:`_partial`).
+_HALF = ("bfloat16", "float16")
+
+
+def _partial(layer: Any, x: Any, kernel: Any) -> tuple[Any, str]:
+    """One partial product of a split reduction, ``x`` times ``kernel`` (a part of ``layer``'s), and the dtype the
+    unsplit layer's product has (Keras' matmul of the same operands). In a 16-bit float dtype the product is computed
+    in float32 from the operands (the cast is exact), so the partials add up unrounded (:func:`_summed`)."""
+    import keras
+
+    dtype = keras.backend.result_type(x.dtype, kernel.dtype)
+    if dtype in _HALF:
+        x, kernel = keras.ops.cast(x, "float32"), keras.ops.cast(kernel, "float32")
+    return _product(layer, x, kernel), dtype
+
+
+def _summed(partials: list[Any], dtype: str) -> Any:
+    """The one reduction of a split layer: the partial products (:func:`_partial`, float32 under mixed precision)
+    added, the sum rounded once to ``dtype``, the unsplit layer's product dtype."""
+    import keras
+    import tensorflow as tf
+
+    return keras.ops.cast(tf.add_n(partials), dtype)
 
 
 class SplitLayers:
@@ -96,8 +128,9 @@ class SplitLayers:
             partial = []
             for k, device in enumerate(self.devices(layer)):
                 with tf.device(device):
-                    partial.append(_product(layer, pieces[k], kernel[k].value))
-            y = tf.add_n(partial)  # the one reduction
+                    product, dtype = _partial(layer, pieces[k], kernel[k].value)
+                    partial.append(product)
+            y = _summed(partial, dtype)  # the one reduction
             if layer.bias is not None:
                 y = keras.ops.add(y, layer.bias.value)
             return layer.activation(y) if layer.activation is not None else y
@@ -111,6 +144,7 @@ class SplitLayers:
         assert projections is not None
         original = layer.call
         out = projections[-1][0]
+        product: dict[str, str] = {}  # the output projection's product dtype, as its traced part saw it
 
         def call(*args: Any, **kwargs: Any) -> Any:
             import tensorflow as tf
@@ -126,7 +160,7 @@ class SplitLayers:
                 finally:
                     self._shard = previous
             first = [r[0] if isinstance(r, tuple) else r for r in results]
-            y = tf.add_n(first)  # the one reduction
+            y = _summed(first, product["dtype"])  # the one reduction
             if out.bias is not None:
                 y = keras.ops.add(y, out.bias.value)
             if out.activation is not None:
@@ -138,11 +172,12 @@ class SplitLayers:
 
         layer.call = call
         for dense, _, side in projections:
-            self._projection(layer, dense, side)
+            self._projection(layer, dense, side, product)
 
-    def _projection(self, attention: Any, dense: Any, side: str) -> None:
-        """An attention layer's projection: in the traced part ``k`` (:meth:`_heads`), its heads' slice; outside one
-        (a cached generation step), the whole computation from the parts."""
+    def _projection(self, attention: Any, dense: Any, side: str, product: dict[str, str]) -> None:
+        """An attention layer's projection: in the traced part ``k`` (:meth:`_heads`), its heads' slice (the output
+        projection's partial product, its dtype put in ``product``); outside one (a cached generation step), the whole
+        computation from the parts."""
         import keras
         import tensorflow as tf
 
@@ -154,12 +189,14 @@ class SplitLayers:
         sizes = [int(p.shape[1 if side == "in" else 0]) for p in kernel]
 
         def one(inputs: Any, k: int) -> Any:
+            if side == "out":  # a partial product, added in :meth:`_heads` or below
+                y, product["dtype"] = _partial(dense, inputs, kernel[k].value)
+                return y
             y = keras.ops.einsum(dense.equation, inputs, kernel[k].value)
-            if side == "in":
-                if bias is not None:
-                    y = keras.ops.add(y, bias[k].value)
-                if dense.activation is not None:
-                    y = dense.activation(y)
+            if bias is not None:
+                y = keras.ops.add(y, bias[k].value)
+            if dense.activation is not None:
+                y = dense.activation(y)
             return y
 
         def call(inputs: Any, *args: Any, **kwargs: Any) -> Any:
@@ -178,7 +215,7 @@ class SplitLayers:
             for k, device in enumerate(devices):
                 with tf.device(device):
                     partial.append(one(pieces[k], k))
-            y = tf.add_n(partial)
+            y = _summed(partial, product["dtype"])  # the one reduction
             if dense.bias is not None:
                 y = keras.ops.add(y, dense.bias.value)
             return dense.activation(y) if dense.activation is not None else y
@@ -203,7 +240,8 @@ class SplitLayers:
                     inside = tf.logical_and(local >= 0, local < sizes[k])
                     rows = tf.gather(table[k].value, tf.where(inside, local, tf.zeros_like(local)))
                     pieces.append(rows * tf.cast(inside, rows.dtype)[..., None])
-            return keras.ops.cast(tf.add_n(pieces), layer.compute_dtype)  # the one reduction
+            # the one reduction, exact in any dtype (one piece is non-zero at each position), then cast as Keras does
+            return keras.ops.cast(tf.add_n(pieces), layer.compute_dtype)
 
         def logits(inputs: Any) -> Any:
             pieces = []
