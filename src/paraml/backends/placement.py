@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import keras
@@ -24,16 +24,60 @@ from paraml.devices import device_memory
 from paraml.parallelism.remat import recomputing
 from paraml.parallelism.tensor_parallel import WholeVariable, plan_splits
 from paraml.planning.footprint import part_sizes
-from paraml.planning.observe import HostModel, build_on_host, model_units, observation_notes, unit_costs
+from paraml.planning.observe import (
+    HostModel,
+    Observation,
+    build_on_host,
+    model_units,
+    observation_notes,
+    unit_costs,
+)
 from paraml.planning.optimizers import optimizer_slots_per_param
-from paraml.planning.partition import LayerCost, PartitionPlan, Stage, layer_cost, make_plan
+from paraml.planning.partition import LayerCost, PartitionPlan, make_plan
 from paraml.planning.plan import DeviceMesh, ParallelPlan
+from paraml.planning.schedules import Schedule
 from paraml.planning.sizes import format_bytes
 
-__all__ = ["StageCreator", "place_model"]
+__all__ = ["StageCreator", "StageHolding", "place_model"]
 
 #: A unit whose cost exceeds this share of a perfect 1/K split keeps the stages from balancing: describe() says so.
 UNBALANCED_SHARE = 1.0
+
+
+@dataclass(frozen=True)
+class StageHolding:
+    """What the stages of a pipeline hold at their peak, per unit and per stage, under a schedule (the figures the
+    balanced planner balances and ``plan.stages`` report).
+
+    Attributes:
+        rows: Rows of the largest micro-batch.
+        in_flight: Per stage, the most micro-batches whose activations it holds at once, read from the schedule's
+            timeline (:meth:`paraml.planning.schedules.Schedule.held`: GPipe all of them, 1F1B ``min(K, S - s)``).
+        costs: Per unit, its bytes for one micro-batch (with ``remat``: what it keeps when recomputed, and as
+            ``recompute_bytes`` its own activations, rebuilt for a moment in the backward pass).
+        output_bytes: One micro-batch's model outputs and the loss' buffers, held by the last stage: the outputs
+            and a buffer like them (the gradient of a cross-entropy or a squared error is the size of the logits).
+        batch_bytes: The whole batch, which the process holds besides the stages.
+    """
+
+    rows: int
+    in_flight: tuple[int, ...]
+    costs: list[LayerCost]
+    output_bytes: int
+    batch_bytes: int
+
+    @classmethod
+    def of(cls, observation: Observation, schedule: Schedule, batch_size: int, remat: bool = False) -> StageHolding:
+        """The holding of ``observation``'s units under ``schedule`` for a batch of ``batch_size`` rows."""
+        rows = schedule.micro_batch_rows(batch_size)
+        costs = unit_costs(observation, rows, remat=remat)
+        if remat and observation.remat_measured:
+            own = {u.name: u.activations.at(rows) for u in observation.units}
+            costs = [replace(c, recompute_bytes=own[c.name]) for c in costs]
+        # The loss reads the outputs and keeps a buffer of their size for its gradient (softmax minus the labels,
+        # the error of a squared loss) until the last stage's backward pass has read it.
+        outputs = 2 * observation.outputs.at(rows) if not observation.problem else 0
+        return cls(rows, tuple(schedule.held(batch_size)), costs, outputs, observation.batch.at(batch_size))
 
 
 class StageCreator:
@@ -85,14 +129,22 @@ def place_model(
         raise ValueError(f"model {probe.name!r} has no layers to place on stages")
     notes = observation_notes(observation)
     slots = optimizer_slots_per_param(optimizer) if optimizer is not None else 0
-    costs = unit_costs(observation, b.batch_size, remat=remat)
+    held = StageHolding.of(observation, b.schedule, b.batch_size, remat)
+    costs = held.costs
     tensor_plan = plan_splits(probe, b.tensor_parallel, b.sample) if b.tensor_parallel > 1 else None
     if tensor_plan is not None:  # a stage's device holds the largest part of each split variable (activations: whole)
         saved = {u.name: tensor_plan.saved_bytes(u.layer) for u in observation.units}
         costs = [replace(c, param_bytes=c.param_bytes - saved.get(c.name, 0)) for c in costs]
     devices = b.stage_devices
-    partition = make_plan(costs, b.partition, len(devices), slots)
-    notes += _check_fits(b, partition, costs, slots)
+    partition = make_plan(
+        costs, b.partition, len(devices), slots, in_flight=held.in_flight, output_bytes=held.output_bytes
+    )
+    notes += _check_fits(b, partition, costs, slots, held)
+    if held.batch_bytes:
+        notes.append(
+            f"the stages' figures leave out the batch of {b.batch_size} rows, which the process holds besides them "
+            f"({format_bytes(held.batch_bytes)})"
+        )
 
     stage_device = {name: devices[s.index] for s in partition.stages for name in s.layers}
     owner = {id(v.value): u.name for u in observation.units for v in u.layer.variables}
@@ -133,12 +185,7 @@ def place_model(
     notes = [  # named as the final model names its units
         re.sub(r"unit '([^']+)'", lambda m: f"unit {renamed.get(m.group(1), m.group(1))!r}", note) for note in notes
     ]
-    partition = PartitionPlan(
-        tuple(
-            Stage(s.index, tuple(renamed[n] for n in s.layers), s.param_bytes, s.state_bytes, s.activation_bytes)
-            for s in partition.stages
-        )
-    )
+    partition = PartitionPlan(tuple(replace(s, layers=tuple(renamed[n] for n in s.layers)) for s in partition.stages))
     plan = ParallelPlan(
         b.topology.layout,
         DeviceMesh(b.groups),
@@ -170,23 +217,35 @@ def _split_variable(
     return WholeVariable(parts, axis, name)
 
 
-def _check_fits(b: Any, plan: PartitionPlan, costs: list[LayerCost], slots: int) -> list[str]:
+def _check_fits(b: Any, plan: PartitionPlan, costs: list[LayerCost], slots: int, held: StageHolding) -> list[str]:
     """Refuse (at build) a unit or a stage larger than a device; the notes on a unit that keeps the stages of
-    ``plan`` from balancing."""
-    sizes = [(c.name, layer_cost(c, slots)) for c in costs]
+    ``plan`` from balancing. A unit's size is what it holds on its stage: its parameters, gradients and optimizer
+    slots, and its activations for the micro-batches in flight there."""
+    stage_of = {name: s.index for s in plan.stages for name in s.layers}
+    flight = held.in_flight
+
+    def size(c: LayerCost) -> int:
+        return c.param_bytes * (2 + slots) + flight[stage_of[c.name]] * c.activation_bytes + c.recompute_bytes
+
+    sizes = [(c.name, size(c)) for c in costs]
     devices = b.stage_devices
     memory = b.device_memory
     if memory is None:
         known = [device_memory(d) for d in devices]
         memory = min(known) if known and all(m is not None for m in known) else None
-    share = sum(size for _, size in sizes) / len(devices)
-    name, size = max(sizes, key=lambda item: item[1])
-    what = (
-        f"unit {name!r} needs {format_bytes(size)} (parameters, gradients, optimizer slots and activations "
-        f"for a batch of {b.batch_size})"
+    share = sum(s.peak_bytes for s in plan.stages) / len(devices)
+    name, largest = max(sizes, key=lambda item: item[1])
+    micro = b.schedule.micro_batches
+    held_here = flight[stage_of[name]]
+    batch = (
+        f"a batch of {b.batch_size}"
+        if micro == 1
+        else f"{held_here} micro-batch(es) of {held.rows} rows in flight on its stage under {b.schedule.kind}"
     )
+    what = f"unit {name!r} needs {format_bytes(largest)} (parameters, gradients, optimizer slots and activations "
+    what += f"for {batch})"
     t = b.tensor_parallel
-    if memory is not None and size > memory:
+    if memory is not None and largest > memory:
         if t > 1:
             raise ValueError(
                 f"{what} on each of its stage's {t} devices with its Dense, attention and Embedding layers "
@@ -202,8 +261,13 @@ def _check_fits(b: Any, plan: PartitionPlan, costs: list[LayerCost], slots: int)
         raise ValueError(
             f"the largest stage needs {format_bytes(plan.largest_stage_bytes)}, more than a device's "
             f"{format_bytes(memory)}: the model does not fit on {len(devices)} device(s); use more devices"
+            + (
+                " (or schedule='1f1b' with micro_batches > 1)"
+                if b.schedule.kind == "gpipe"
+                else " or more micro_batches"
+            )
         )
-    if len(devices) > 1 and size > share * UNBALANCED_SHARE:
+    if len(devices) > 1 and largest > share * UNBALANCED_SHARE:
         return [
             f"{what}, more than a device's share {format_bytes(round(share))}: the stages cannot balance better "
             + ("(tensor_parallel=2 would split its layers over devices)" if t == 1 else "")

@@ -12,8 +12,15 @@ observation) to build the cost list from a Keras model.
 Memory model of a stage (all numbers in bytes)::
 
     state_bytes      = param_bytes * (2 + slots_per_param)   # params + grads + slots
-    activation_bytes = sum of the stage's layers' activations (what each keeps for the backward pass)
-    peak_bytes       = state_bytes + activation_bytes
+    activation_bytes = in_flight * sum of the stage's layers' activations (what each keeps for the backward pass,
+                       for one micro-batch) + the largest layer's recompute_bytes (remat: the one being recomputed)
+    output_bytes     = in_flight * output_bytes, on the last stage only (the model's outputs and the loss' buffers)
+    peak_bytes       = state_bytes + activation_bytes + output_bytes
+
+``in_flight`` is, per stage, the most micro-batches whose forward pass has run there and whose backward pass has
+not (:meth:`paraml.planning.schedules.Schedule.most_in_flight`: GPipe all of them, 1F1B at most ``K - s`` on stage
+``s`` of ``K``); 1 each by default (one batch, no pipeline). The balanced planner minimises the largest of these
+same figures, so what it balances is what it reports.
 
 Example:
     >>> costs = [LayerCost("a", 100, 10), LayerCost("b", 100, 10),
@@ -27,8 +34,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from paraml.checks import check_int, check_named
@@ -59,7 +66,11 @@ class LayerCost:
     Attributes:
         name: The layer's (unique) name.
         param_bytes: Bytes of the layer's parameters (variables).
-        activation_bytes: Bytes the layer keeps for the backward pass, for one batch.
+        activation_bytes: Bytes the layer keeps for the backward pass, for one batch (one micro-batch when
+            planned for a pipeline).
+        recompute_bytes: Bytes the layer holds for a moment while it is recomputed in the backward pass (``remat``:
+            its own activations, rebuilt from its inputs), on top of what it keeps; 0 without recompute. One layer
+            of a stage is recomputed at a time, so a stage counts its largest, once.
 
     Example:
         >>> LayerCost("dense", param_bytes=60, activation_bytes=384).param_bytes
@@ -69,13 +80,14 @@ class LayerCost:
     name: str
     param_bytes: int
     activation_bytes: int
+    recompute_bytes: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"LayerCost.name must be a non-empty string, got {self.name!r}")
-        for field in ("param_bytes", "activation_bytes"):
+        for name in ("param_bytes", "activation_bytes", "recompute_bytes"):
             # stored as a plain int (a NumPy integer is accepted)
-            object.__setattr__(self, field, check_int(f"LayerCost {self.name!r}: {field}", getattr(self, field), low=0))
+            object.__setattr__(self, name, check_int(f"LayerCost {self.name!r}: {name}", getattr(self, name), low=0))
 
 
 @dataclass(frozen=True)
@@ -88,7 +100,11 @@ class Stage:
         param_bytes: Sum of the layers' parameter bytes.
         state_bytes: ``param_bytes * (2 + slots_per_param)``: parameters,
             gradients and optimizer slots.
-        activation_bytes: Sum of the layers' activation bytes.
+        activation_bytes: What the stage's layers keep for the backward pass at the stage's peak: ``in_flight``
+            times one micro-batch's, plus the largest layer's ``recompute_bytes``.
+        in_flight: The most micro-batches whose activations the stage holds at once under the schedule.
+        output_bytes: The last stage's: the model's outputs and the loss' buffers for its ``in_flight``
+            micro-batches (0 on the other stages).
 
     Example:
         >>> s = Stage(0, ("a", "b"), param_bytes=10, state_bytes=40, activation_bytes=5)
@@ -101,16 +117,18 @@ class Stage:
     param_bytes: int
     state_bytes: int
     activation_bytes: int
+    in_flight: int = 1
+    output_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
-        """Estimated peak memory of the stage: ``state_bytes + activation_bytes``.
+        """Estimated peak memory of the stage: ``state_bytes + activation_bytes + output_bytes``.
 
         Example:
             >>> Stage(0, ("a",), 1, 4, 2).peak_bytes
             6
         """
-        return self.state_bytes + self.activation_bytes
+        return self.state_bytes + self.activation_bytes + self.output_bytes
 
 
 @dataclass(frozen=True)
@@ -222,24 +240,27 @@ class PartitionPlan:
                     f"describe() got {len(devices)} devices for {len(self.stages)} stages; "
                     "pass exactly one device per stage"
                 )
-        header = ("stage", "device", "layers", "parameters", "grads + optimizer", "activations", "est. peak memory")
+        # Columns for a pipeline's figures only when they say something (a schedule, the outputs counted).
+        pipelined = any(s.in_flight != 1 for s in self.stages)
+        outputs = any(s.output_bytes for s in self.stages)
+        header = ["stage", "device", "layers", "parameters", "grads + optimizer", "activations"]
+        header += ["micro-batches held"] * pipelined + ["outputs + loss"] * outputs + ["est. peak memory"]
         rows = []
         for stage in self.stages:
             layers = stage.layers
             span = layers[0] if len(layers) == 1 else f"{layers[0]}..{layers[-1]}"
-            rows.append(
-                (
-                    str(stage.index),
-                    "-" if devices is None else str(devices[stage.index]),
-                    f"{span} ({len(layers)})",
-                    format_bytes(stage.param_bytes),
-                    format_bytes(stage.state_bytes - stage.param_bytes),
-                    format_bytes(stage.activation_bytes),
-                    format_bytes(stage.peak_bytes),
-                )
-            )
+            row = [
+                str(stage.index),
+                "-" if devices is None else str(devices[stage.index]),
+                f"{span} ({len(layers)})",
+                format_bytes(stage.param_bytes),
+                format_bytes(stage.state_bytes - stage.param_bytes),
+                format_bytes(stage.activation_bytes),
+            ]
+            row += [str(stage.in_flight)] * pipelined + [format_bytes(stage.output_bytes)] * outputs
+            rows.append([*row, format_bytes(stage.peak_bytes)])
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        right_aligned = {3, 4, 5, 6}
+        right_aligned = set(range(3, len(header)))
 
         def fmt(row: Sequence[str]) -> str:
             cells = [
@@ -293,39 +314,104 @@ def _validate(costs: Sequence[LayerCost], num_stages: int, slots_per_param: int)
     return costs, num_stages, check_int("slots_per_param", slots_per_param, low=0)
 
 
-def _plan_from_starts(costs: Sequence[LayerCost], starts: Sequence[int], slots_per_param: int) -> PartitionPlan:
-    """Build a plan from stage start indices (first is 0, strictly increasing)."""
-    ends = [*starts[1:], len(costs)]
-    stages = []
-    for index, (lo, hi) in enumerate(zip(starts, ends, strict=True)):
-        members = costs[lo:hi]
-        params = sum(c.param_bytes for c in members)
-        stages.append(
-            Stage(
-                index=index,
-                layers=tuple(c.name for c in members),
-                param_bytes=params,
-                state_bytes=params * (2 + slots_per_param),
-                activation_bytes=sum(c.activation_bytes for c in members),
-            )
+def _check_in_flight(in_flight: Sequence[int] | None, num_stages: int) -> list[int]:
+    """``in_flight`` checked: one int >= 1 per stage; ones when None."""
+    if in_flight is None:
+        return [1] * num_stages
+    if isinstance(in_flight, (str, bytes)) or not isinstance(in_flight, Sequence) or len(in_flight) != num_stages:
+        raise ValueError(
+            f"in_flight must give one count of micro-batches per stage ({num_stages} stages), got {in_flight!r}"
         )
-    return PartitionPlan(stages=tuple(stages))
+    return [check_int(f"in_flight[{s}]", n) for s, n in enumerate(in_flight)]
+
+
+class _StageBytes:
+    """A stage's peak bytes over a run of layers, as :class:`Stage` counts them: the one formula the planners balance
+    and the stages report."""
+
+    def __init__(self, costs: Sequence[LayerCost], slots: int, in_flight: Sequence[int], output_bytes: int) -> None:
+        self.costs, self.slots, self.in_flight, self.output_bytes = costs, slots, in_flight, output_bytes
+
+    def stage(self, index: int, lo: int, hi: int) -> Stage:
+        """Stage ``index`` holding layers ``lo..hi-1``."""
+        members = self.costs[lo:hi]
+        params = sum(c.param_bytes for c in members)
+        flight = self.in_flight[index]
+        return Stage(
+            index=index,
+            layers=tuple(c.name for c in members),
+            param_bytes=params,
+            state_bytes=params * (2 + self.slots),
+            activation_bytes=flight * sum(c.activation_bytes for c in members)
+            + max((c.recompute_bytes for c in members), default=0),
+            in_flight=flight,
+            output_bytes=flight * self.output_bytes if index == len(self.in_flight) - 1 else 0,
+        )
+
+    def growing(self, index: int, lo: int, hi: int, step: int) -> Iterator[tuple[int, int]]:
+        """``(end, peak bytes)`` of stage ``index`` as it grows one layer at a time from ``lo`` (``step`` 1: layers
+        ``lo..end-1`` for end = lo+1 .. hi; ``step`` -1: layers ``end..lo-1`` for end = lo-1 .. hi)."""
+        flight = self.in_flight[index]
+        fixed = flight * self.output_bytes if index == len(self.in_flight) - 1 else 0
+        state = activations = recompute = 0
+        for end in range(lo + step, hi + step, step):
+            c = self.costs[end - 1 if step > 0 else end]
+            state += c.param_bytes * (2 + self.slots)
+            activations += c.activation_bytes
+            recompute = max(recompute, c.recompute_bytes)
+            yield end, state + flight * activations + recompute + fixed
+
+
+def _plan_from_starts(
+    costs: Sequence[LayerCost],
+    starts: Sequence[int],
+    slots_per_param: int,
+    in_flight: Sequence[int] | None = None,
+    output_bytes: int = 0,
+) -> PartitionPlan:
+    """Build a plan from stage start indices (first is 0, strictly increasing)."""
+    flight = _check_in_flight(in_flight, len(starts))
+    output_bytes = check_int("output_bytes", output_bytes, low=0)
+    counter = _StageBytes(costs, slots_per_param, flight, output_bytes)
+    ends = [*starts[1:], len(costs)]
+    return PartitionPlan(
+        stages=tuple(counter.stage(i, lo, hi) for i, (lo, hi) in enumerate(zip(starts, ends, strict=True)))
+    )
 
 
 # --------------------------------------------------------------------------- planners
 
 
-def plan_balanced(costs: Sequence[LayerCost], num_stages: int, slots_per_param: int = 0) -> PartitionPlan:
+def plan_balanced(
+    costs: Sequence[LayerCost],
+    num_stages: int,
+    slots_per_param: int = 0,
+    *,
+    in_flight: Sequence[int] | None = None,
+    output_bytes: int = 0,
+) -> PartitionPlan:
     """Split into ``num_stages`` contiguous non-empty stages minimising the largest stage.
 
-    The stage cost is the sum of :func:`layer_cost` over its layers.  The result
-    is optimal (binary search on the bound plus a greedy feasibility test, which
-    is exact for integer costs).  Among all optimal splits, the one whose cut
-    positions are lexicographically smallest is returned: every cut is placed
-    as early as possible, so the result is deterministic.
+    A stage's cost is its :attr:`Stage.peak_bytes` (the module's memory model): with the default ``in_flight``
+    (one micro-batch per stage) and no ``output_bytes``, the sum of :func:`layer_cost` over its layers. Under a
+    pipeline schedule the same layer costs more on a stage that holds more micro-batches (1F1B: the first), and the
+    last stage holds the model's outputs, so where a layer goes changes what it costs. The result is optimal
+    (dynamic programming over the cut positions, exact for integer costs). Among all optimal splits, the one whose
+    cut positions are lexicographically smallest is returned: every cut is placed as early as possible, so the
+    result is deterministic.
+
+    Args:
+        costs: Per-layer costs in model order (activations for one micro-batch).
+        num_stages: Number of stages.
+        slots_per_param: Optimizer slot variables per parameter (Adam: 2).
+        in_flight: Per stage, the most micro-batches it holds at once
+            (:meth:`paraml.planning.schedules.Schedule.most_in_flight`); ones by default.
+        output_bytes: One micro-batch's model outputs and loss buffers, held by the last stage per micro-batch
+            in flight there.
 
     Raises:
-        ValueError: if ``num_stages < 1`` or exceeds the number of layers.
+        ValueError: if ``num_stages < 1`` or exceeds the number of layers, or ``in_flight`` does not give one count
+            per stage.
 
     Example:
         >>> costs = [LayerCost(f"l{i}", 1, 0) for i in range(6)]
@@ -337,61 +423,66 @@ def plan_balanced(costs: Sequence[LayerCost], num_stages: int, slots_per_param: 
 
         >>> [s.layers for s in plan_balanced([LayerCost(n, 5, 0) for n in "abcd"], 3).stages]
         [('a',), ('b',), ('c', 'd')]
+
+        Under 1F1B over 2 stages the first holds 2 micro-batches, the second 1, so it takes fewer layers:
+
+        >>> [len(s.layers) for s in plan_balanced([LayerCost(str(i), 0, 10) for i in range(9)], 2,
+        ...                                       in_flight=[2, 1]).stages]
+        [3, 6]
     """
     costs, num_stages, slots_per_param = _validate(costs, num_stages, slots_per_param)
-    weights = [layer_cost(c, slots_per_param) for c in costs]
-    n = len(weights)
-    prefix = [0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
+    flight = _check_in_flight(in_flight, num_stages)
+    output_bytes = check_int("output_bytes", output_bytes, low=0)
+    counter = _StageBytes(costs, slots_per_param, flight, output_bytes)
+    n, last = len(costs), num_stages - 1
 
-    def min_stages(bound: int) -> int:
-        """Fewest contiguous stages with every stage cost <= bound (greedy is optimal)."""
-        count, run = 1, 0
-        for w in weights:
-            if run + w > bound:
-                count, run = count + 1, w
-            else:
-                run += w
-        return count
+    # best[s][i]: the smallest largest stage over layers 0..i-1 split into stages 0..s (each non-empty). A stage
+    # only grows as its start moves left, so the scan over its start stops once the stage alone is no better.
+    infinity = float("inf")
+    best: list[list[float]] = [[infinity] * (n + 1) for _ in range(num_stages)]
+    for end, size in counter.growing(0, 0, n, 1):
+        best[0][end] = size
+    for s in range(1, num_stages):
+        for i in range(s + 1, n + 1):
+            for start, size in counter.growing(s, i, s, -1):
+                if size >= best[s][i]:
+                    break
+                best[s][i] = min(best[s][i], max(best[s - 1][start], size))
+    bound = best[last][n]
 
-    # Splitting a stage never raises the maximum, so ``bound`` is achievable with
-    # exactly num_stages stages iff it is achievable with at most num_stages.
-    lo, hi = max(weights), prefix[-1]
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if min_stages(mid) <= num_stages:
-            hi = mid
-        else:
-            lo = mid + 1
-    bound = lo
+    # fits[s][i]: whether layers i..n-1 split into stages s..last (each non-empty) with every stage <= bound.
+    fits = [[False] * (n + 1) for _ in range(num_stages)]
+    for i in range(n):
+        fits[last][i] = next(size for end, size in counter.growing(last, i, n, 1) if end == n) <= bound
+    for s in range(last - 1, -1, -1):
+        for i in range(n):
+            for end, size in counter.growing(s, i, n - 1, 1):
+                if size > bound:
+                    break
+                if fits[s + 1][end]:
+                    fits[s][i] = True
+                    break
 
-    # need[i]: fewest stages covering layers i..n-1 with every stage <= bound.
-    # Computed right to left: the first stage greedily takes as many layers as fit.
-    need = [0] * (n + 1)
-    end = n
-    for i in range(n - 1, -1, -1):
-        while prefix[end] - prefix[i] > bound:
-            end -= 1
-        need[i] = 1 + need[end]
-
-    # Place each cut as early as possible such that the rest is still feasible.
-    # need[] is non-increasing in i, so the earliest valid cut is found by scanning.
+    # Place each cut as early as possible such that this stage and the rest still fit the bound.
     starts = [0]
-    position = 0
-    for remaining in range(num_stages - 1, 0, -1):
-        cut = position + 1
-        while need[cut] > remaining:
-            cut += 1
+    for s in range(last):
+        cut = next(end for end, size in counter.growing(s, starts[-1], n - 1, 1) if size <= bound and fits[s + 1][end])
         starts.append(cut)
-        position = cut
-    return _plan_from_starts(costs, starts, slots_per_param)
+    return _plan_from_starts(costs, starts, slots_per_param, flight, output_bytes)
 
 
-def plan_even(costs: Sequence[LayerCost], num_stages: int, slots_per_param: int = 0) -> PartitionPlan:
+def plan_even(
+    costs: Sequence[LayerCost],
+    num_stages: int,
+    slots_per_param: int = 0,
+    *,
+    in_flight: Sequence[int] | None = None,
+    output_bytes: int = 0,
+) -> PartitionPlan:
     """Split into stages with the same number of layers, ignoring their costs.
 
-    With ``n`` layers and ``k`` stages, the first ``n % k`` stages get one more layer.
+    With ``n`` layers and ``k`` stages, the first ``n % k`` stages get one more layer. ``in_flight`` and
+    ``output_bytes`` are counted in the stages' figures as in :func:`plan_balanced`.
 
     Raises:
         ValueError: if ``num_stages < 1`` or exceeds the number of layers.
@@ -408,7 +499,7 @@ def plan_even(costs: Sequence[LayerCost], num_stages: int, slots_per_param: int 
     for i in range(num_stages):
         starts.append(position)
         position += size + (1 if i < extra else 0)
-    return _plan_from_starts(costs, starts, slots_per_param)
+    return _plan_from_starts(costs, starts, slots_per_param, in_flight, output_bytes)
 
 
 def plan_explicit(
@@ -416,8 +507,11 @@ def plan_explicit(
     spec: Sequence[Sequence[str]] | Sequence[int],
     num_stages: int,
     slots_per_param: int = 0,
+    *,
+    in_flight: Sequence[int] | None = None,
+    output_bytes: int = 0,
 ) -> PartitionPlan:
-    """Build the plan the user spelled out.
+    """Build the plan the user spelled out (``in_flight`` and ``output_bytes`` as in :func:`plan_balanced`).
 
     ``spec`` takes one of two forms:
 
@@ -454,7 +548,7 @@ def plan_explicit(
             "(e.g. [['dense', 'dense_1'], ['dense_2']]) or a list of int cut indices "
             f"(e.g. [2]); got {spec!r}"
         )
-    return _plan_from_starts(costs, starts, slots_per_param)
+    return _plan_from_starts(costs, starts, slots_per_param, in_flight, output_bytes)
 
 
 def _starts_from_cuts(cuts: list[int], num_layers: int, num_stages: int) -> list[int]:
@@ -530,6 +624,9 @@ def make_plan(
     partition: str | Sequence[Sequence[str]] | Sequence[int],
     num_stages: int,
     slots_per_param: int = 0,
+    *,
+    in_flight: Sequence[int] | None = None,
+    output_bytes: int = 0,
 ) -> PartitionPlan:
     """Dispatch to a planner.
 
@@ -539,6 +636,9 @@ def make_plan(
             (:func:`plan_even`), or an explicit spec for :func:`plan_explicit`.
         num_stages: Number of stages.
         slots_per_param: Optimizer slot variables per parameter (Adam: 2).
+        in_flight: Per stage, the most micro-batches it holds at once under the pipeline schedule
+            (:meth:`paraml.planning.schedules.Schedule.most_in_flight`); ones by default.
+        output_bytes: One micro-batch's model outputs and loss buffers (held by the last stage).
 
     Raises:
         ValueError: for an unknown strategy name or an invalid spec.
@@ -553,16 +653,18 @@ def make_plan(
     if isinstance(partition, str):
         key = partition.strip().lower()
         if key == "balanced":
-            return plan_balanced(costs, num_stages, slots_per_param)
+            return plan_balanced(costs, num_stages, slots_per_param, in_flight=in_flight, output_bytes=output_bytes)
         if key == "even":
-            return plan_even(costs, num_stages, slots_per_param)
+            return plan_even(costs, num_stages, slots_per_param, in_flight=in_flight, output_bytes=output_bytes)
         raise ValueError(
             f"unknown partition {partition!r}; valid choices are "
             f"{', '.join(repr(c) for c in PARTITION_CHOICES)}, or an explicit list "
             "of layer-name groups or int cut indices"
         )
     if isinstance(partition, Sequence) and not isinstance(partition, bytes):
-        return plan_explicit(costs, partition, num_stages, slots_per_param)
+        return plan_explicit(
+            costs, partition, num_stages, slots_per_param, in_flight=in_flight, output_bytes=output_bytes
+        )
     raise ValueError(
         f"partition must be one of {', '.join(repr(c) for c in PARTITION_CHOICES)} or an "
         f"explicit list of layer-name groups or int cut indices, got {partition!r}"

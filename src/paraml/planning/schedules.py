@@ -70,6 +70,30 @@ class Schedule:
         earlier = micro_batch - (self.stages - stage)
         return earlier if earlier >= 0 else None
 
+    def micro_batch_rows(self, batch_size: int) -> int:
+        """The rows of the largest micro-batch of a batch of ``batch_size`` rows (the pipeline gives the first
+        ``batch_size % micro_batches`` micro-batches one row more than the others).
+
+        Example:
+            >>> Schedule("1f1b", 2, 8).micro_batch_rows(100), Schedule("gpipe", 2, 8).micro_batch_rows(3)
+            (13, 1)
+        """
+        batch_size = check_int("batch_size", batch_size)
+        return -(-batch_size // self.micro_batches)
+
+    def held(self, batch_size: int) -> list[int]:
+        """Per stage, the most micro-batches of a batch of ``batch_size`` rows whose activations it holds at once:
+        :meth:`most_in_flight` over the micro-batches that are not empty.
+
+        Example:
+            >>> Schedule("gpipe", 2, 8).held(32), Schedule("gpipe", 2, 8).held(3), Schedule("1f1b", 4, 8).held(32)
+            ([8, 8], [3, 3], [4, 3, 2, 1])
+        """
+        batch_size = check_int("batch_size", batch_size)
+        if batch_size >= self.micro_batches:
+            return self.most_in_flight()
+        return Schedule(self.kind, self.stages, batch_size).most_in_flight()
+
     def timeline(self) -> list[list[str]]:
         """One row per time step, one cell per stage (``"F2"``, ``"B0"`` or ``""``): each stage runs one pass per step,
         as soon as its inputs are ready; under 1F1B a stage prefers a ready backward pass to a forward pass."""
