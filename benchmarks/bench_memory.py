@@ -16,11 +16,20 @@ micro-batches, ``schedule="gpipe"`` vs ``"1f1b"``: the peak of each (fresh proce
 GPipe's at 8 micro-batches.
 
 Models: ``mlp`` (16 Dense layers of 512 with GELU, batch 8192), ``gpt2`` and ``bert`` (keras_hub backbones, 4
-layers, hidden 256, sequence 128, batch 16, with an LM head / a classifier), ``gpt2dict`` (the same GPT-2 under the
-user's own head, its inputs a dict of unnamed ``keras.Input``), ``cnn`` (``keras.applications``
-MobileNetV2, 96x96, batch 32) and ``lstm`` (Embedding, two LSTMs of 256 units, sequence 100, batch 256).
+layers, hidden 256, sequence 128, batch 16, with an LM head / a classifier), ``gpt2big`` (the same GPT-2 with a
+32000-token vocabulary, batch 8: the logits and the loss's softmax-sized buffer outweigh the weights), ``gpt2dict``
+(the same GPT-2 under the user's own head, its inputs a dict of unnamed ``keras.Input``), ``cnn``
+(``keras.applications`` MobileNetV2, 96x96, batch 32), ``resnet50`` (``keras.applications`` ResNet50, 96x96, batch
+32) and ``lstm`` (Embedding, two LSTMs of 256 units, sequence 100, batch 256).
+
+Predict growth (``--predict-growth [VOCABULARY]``): in a fresh process with 2 simulated devices, GPT-2 (4 layers,
+hidden 256, sequence 128, batch 8, a 32000-token LM head unless given) under ``Parallel("model_parallel",
+devices=2, tensor_parallel=2)`` runs ``predict`` four times; the allocator's ``current`` bytes after the first and
+after the fourth call tell whether eager calls of a split model keep anything (a cache of logits or their slices
+would add a batch's logits, 131 MB, per call).
 
     .venv/bin/python benchmarks/bench_memory.py [--models mlp gpt2 ...] [--time mlp gpt2] [--windows 5] [--json PATH]
+    .venv/bin/python benchmarks/bench_memory.py --predict-growth [32000]
 """
 
 from __future__ import annotations
@@ -33,8 +42,10 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-MODELS = ("mlp", "gpt2", "gpt2dict", "bert", "cnn", "lstm")
+MODELS = ("mlp", "gpt2", "gpt2big", "gpt2dict", "bert", "cnn", "resnet50", "lstm")
 TIMED = ("mlp", "gpt2")
+#: The large vocabulary of ``gpt2big`` (and of ``--predict-growth``).
+VOCABULARY_BIG = 32000
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,6 +56,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pipelines", action="store_true", help="also compare schedule='1f1b' with 'gpipe'")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "REMAT"), help=argparse.SUPPRESS)
     parser.add_argument("--one-pipeline", nargs=2, metavar=("SCHEDULE", "MICRO_BATCHES"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--predict-growth",
+        nargs="?",
+        type=int,
+        const=VOCABULARY_BIG,
+        metavar="VOCABULARY",
+        help="only measure how much the allocator's current bytes grow over 4 predict calls of a tensor_parallel=2 "
+        f"GPT-2 (vocabulary {VOCABULARY_BIG} unless given), in a fresh process",
+    )
+    parser.add_argument("--one-predict", type=int, metavar="VOCABULARY", help=argparse.SUPPRESS)
     parser.add_argument("--json", metavar="PATH", help="also write the JSON record to PATH")
     return parser.parse_args(argv)
 
@@ -70,6 +91,14 @@ def workload(name: str):  # noqa: ANN201  (keras objects: imported late)
             )
 
         return cnn, rng.normal(size=(32, 96, 96, 3)).astype("float32"), rng.integers(0, 10, 32), 32
+    if name == "resnet50":
+
+        def resnet50() -> keras.Model:
+            return keras.applications.ResNet50(
+                weights=None, input_shape=(96, 96, 3), classes=10, classifier_activation=None
+            )
+
+        return resnet50, rng.normal(size=(32, 96, 96, 3)).astype("float32"), rng.integers(0, 10, 32), 32
     if name == "lstm":
 
         def lstm() -> keras.Model:
@@ -80,17 +109,18 @@ def workload(name: str):  # noqa: ANN201  (keras objects: imported late)
         return lstm, rng.integers(1, 1000, (256, 100)).astype("int32"), rng.integers(0, 10, 256), 256
     import keras_hub
 
-    tokens = rng.integers(1, 1000, (16, 128)).astype("int32")
+    vocabulary, rows = (VOCABULARY_BIG, 8) if name == "gpt2big" else (1000, 16)
+    tokens = rng.integers(1, vocabulary, (rows, 128)).astype("int32")
     x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
-    config = {"vocabulary_size": 1000, "num_layers": 4, "num_heads": 4, "hidden_dim": 256, "intermediate_dim": 1024}
-    config.update(max_sequence_length=128, dropout=0.0)
-    if name == "gpt2":
+    config = {"vocabulary_size": vocabulary, "num_layers": 4, "num_heads": 4, "hidden_dim": 256}
+    config.update(intermediate_dim=1024, max_sequence_length=128, dropout=0.0)
+    if name in ("gpt2", "gpt2big"):
 
         def gpt2() -> keras.Model:
             backbone = keras_hub.models.GPT2Backbone(**config)
-            return keras.Model(backbone.input, keras.layers.Dense(1000, name="lm_head")(backbone.output))
+            return keras.Model(backbone.input, keras.layers.Dense(vocabulary, name="lm_head")(backbone.output))
 
-        return gpt2, x, tokens, 16
+        return gpt2, x, tokens, rows
     if name == "gpt2dict":
 
         def gpt2dict() -> keras.Model:  # the user's own head over the backbone, a keras.Input per key of a dict
@@ -142,6 +172,44 @@ def one(name: str, remat: bool, pipeline: tuple[str, int] | None = None) -> dict
     }
 
 
+def predict_growth(vocabulary: int, calls: int = 4) -> dict[str, float]:
+    """This process (2 simulated devices, nothing else run before): the allocator's current bytes after the first
+    and after the last of ``calls`` ``predict`` calls of GPT-2 (4 layers, hidden 256, sequence 128, batch 8) with a
+    ``vocabulary``-token LM head under ``Parallel("model_parallel", devices=2, tensor_parallel=2)``."""
+    import keras
+    import keras_hub
+    import numpy as np
+    import tensorflow as tf
+
+    from paraml import Parallel, simulate_devices
+
+    simulate_devices(2)
+    tokens = np.random.default_rng(0).integers(1, vocabulary, (8, 128)).astype("int32")
+    x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
+    config = {"vocabulary_size": vocabulary, "num_layers": 4, "num_heads": 4, "hidden_dim": 256}
+    config.update(intermediate_dim=1024, max_sequence_length=128, dropout=0.0)
+
+    def gpt2() -> keras.Model:
+        backbone = keras_hub.models.GPT2Backbone(**config)
+        return keras.Model(backbone.input, keras.layers.Dense(vocabulary, name="lm_head")(backbone.output))
+
+    par = Parallel("model_parallel", devices=2, tensor_parallel=2, seed=0)
+    par.build(gpt2, optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    built = tf.config.experimental.get_memory_info("CPU:0")["current"] / 1e6
+    current = []
+    for _ in range(calls):
+        par.predict(x, batch_size=8)
+        current.append(tf.config.experimental.get_memory_info("CPU:0")["current"] / 1e6)
+    return {
+        "vocabulary": vocabulary,
+        "built_mb": built,
+        "first_mb": current[0],
+        "last_mb": current[-1],
+        "growth_mb": current[-1] - current[0],
+        "logits_mb": 8 * 128 * vocabulary * 4 / 1e6,
+    }
+
+
 def measured(*arguments: str) -> dict[str, float]:
     done = subprocess.run([sys.executable, __file__, *arguments], capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -167,6 +235,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.one:
         print(json.dumps(one(args.one[0], args.one[1] == "1")))
+        return 0
+    if args.one_predict:
+        print(json.dumps(predict_growth(args.one_predict)))
+        return 0
+    if args.predict_growth:
+        growth = measured("--one-predict", str(args.predict_growth))
+        print(
+            f"tensor_parallel=2 GPT-2, vocabulary {growth['vocabulary']}: {growth['built_mb']:.1f} MB held after "
+            f"build, {growth['first_mb']:.1f} MB after the first predict, {growth['last_mb']:.1f} MB after the "
+            f"fourth: growth {growth['growth_mb']:+.1f} MB (one batch's logits: {growth['logits_mb']:.0f} MB)"
+        )
+        from paraml.bench.harness import write_json
+
+        write_json({"predict_growth": growth}, args.json, echo=False)
         return 0
     if args.one_pipeline:
         from paraml import simulate_devices

@@ -18,18 +18,30 @@ What :func:`estimate_memory` counts:
   traced on two small batches and every tensor its forward pass creates that
   the gradient reads is counted, per unit (:func:`paraml.planning.observe.observe_units`),
   then scaled to ``batch_size`` rows; plus the batch itself and the model's
-  outputs (the loss keeps them). With ``remat=True``, the units are traced
-  recomputed (they keep about their inputs), plus the largest unit's own
-  activations (the one being recomputed).
+  outputs (their gradient is as large). The traced step takes the loss of the
+  outputs as training does (``loss=``; default: sparse categorical
+  cross-entropy from logits for an output with a class axis, mean squared
+  error otherwise), and what the loss keeps for its gradient is measured too:
+  a cross-entropy keeps a softmax-sized buffer as large as the logits. Those
+  buffers live at the end of the forward pass, before any gradient exists, so
+  they add what they exceed the gradients by (a large vocabulary: the logits
+  outweigh the weights). With ``remat=True``, the units are traced recomputed
+  (they keep about their inputs), plus the larger of the outputs with the
+  loss's buffers and the largest unit's own activations (the one being
+  recomputed; the outputs are freed by then); the backward pass frees each
+  unit's inputs as it makes its gradients, so those activations add what they
+  exceed the gradients by (:meth:`paraml.planning.observe.Observation.activation_bytes`).
 
-The total is the peak of one training step: within 0.8-1.2 of the allocator's
-measured peak for an MLP, keras_hub GPT-2 and BERT, a keras.applications CNN and
-an LSTM, with and without remat (``benchmarks/bench_memory.py``).
+The total is the peak of one training step: within 0.85-1.15 of the allocator's
+measured peak for an MLP, keras_hub GPT-2 (also with a 32000-token vocabulary)
+and BERT, keras.applications MobileNetV2 and ResNet50 and an LSTM, with and
+without remat (``benchmarks/bench_memory.py``).
 
 Example:
     >>> import keras
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="d")])
-    >>> estimate_memory(model, batch_size=2, optimizer="sgd").total  # 60 params + 60 gradients + 32 batch + 24 outputs
+    >>> est = estimate_memory(model, batch_size=2, optimizer="sgd")  # loss: cross-entropy of the 3 logits
+    >>> est.total  # 60 params + 60 gradients + 32 batch + 24 outputs (the loss's 24 bytes: fewer than the gradients)
     176
 """
 
@@ -201,6 +213,8 @@ def estimate_memory(
     optimizer_shards: int = 1,
     tensor_parallel: int = 1,
     observation: Observation | None = None,
+    loss: Any = None,
+    targets: Any = None,
 ) -> MemoryEstimate:
     """Estimate the memory needed to train ``model`` (see the module docstring).
 
@@ -223,9 +237,15 @@ def estimate_memory(
             (:func:`paraml.parallelism.tensor_parallel.plan_splits`): the
             parameters, gradients and slots of the device holding most (the layers left whole and the largest part of
             each split one); the activations are counted whole.
-        observation: :func:`paraml.planning.observe.observe_units` of ``model`` to reuse (measured with recompute when
-        the
-            estimate is); measured here when None.
+        observation: :func:`paraml.planning.observe.observe_units` of ``model`` to reuse (measured with recompute
+            when the estimate is); measured here when None (then ``loss`` and ``targets`` are used).
+        loss: The loss the model trains with, as given to ``compile`` (a name, a ``keras.losses.Loss``, a function
+            ``(y_true, y_pred)``, or a list or dict of those per output). None (default): sparse categorical
+            cross-entropy from logits for an output with a class axis (rank 2 or more, last dimension above 1),
+            mean squared error for any other. Its buffers are counted: a cross-entropy keeps one more logits-sized
+            tensor for its gradient.
+        targets: A batch of targets matching ``sample``; None: zero targets of the loss's kind (the bytes do not
+            depend on the values).
 
     Raises:
         ValueError: for a model it cannot measure (:func:`unmeasurable_reason` says why), a bad batch size or an
@@ -262,13 +282,17 @@ def estimate_memory(
     if observation is None:
         from paraml.parallelism.remat import recomputing  # TensorFlow: only now
 
-        observation = observe_units(model, sample=sample, recompute=recomputing if remat else None)
+        observation = observe_units(
+            model, sample=sample, recompute=recomputing if remat else None, loss=loss, targets=targets
+        )
     costs = unit_costs(observation, batch_size, remat=remat)
     notes.extend(observation_notes(observation))
+    if remat and observation.remat_measured:
+        notes.append("with remat, activations count what they exceed the gradients by (freed as those are made)")
     activations = (
         sum(c.activation_bytes for c in costs)
         if observation.problem
-        else observation.activation_bytes(batch_size, remat=remat)
+        else observation.activation_bytes(batch_size, remat=remat, gradient_bytes=gradients)
     )
     return MemoryEstimate(
         parameters=parameters,

@@ -135,10 +135,14 @@ class Observation:
     Attributes:
         units: Every unit: first those the call ran, in the order of their first call, then those it never called.
         batch: Bytes of the model's inputs (the batch itself).
-        outputs: Bytes of the model's outputs (the loss keeps them, or their like, for its gradient).
+        outputs: Bytes of the model's outputs (at the start of the backward pass their gradient, as large, is alive).
+        loss: Bytes the loss's own forward keeps for its gradient (sparse cross-entropy's softmax-sized backprop,
+            a squared error's difference: about one more output-sized buffer; its scalars left out), or 0 when the
+            step was traced without the loss (``loss_problem``).
         problem: Why the model could not be called (then ``units`` are in declaration order), or ``""``.
         probe_dims: The size given to non-batch dimensions the model leaves unknown, or None if there were none.
         gradient_problem: Why the gradient could not be traced (then activations are the units' outputs), or ``""``.
+        loss_problem: Why the step was traced without the loss (the gradient of the outputs alone), or ``""``.
     """
 
     units: tuple[Unit, ...]
@@ -147,20 +151,44 @@ class Observation:
     problem: str = ""
     probe_dims: int | None = None
     gradient_problem: str = ""
+    loss: RowBytes = RowBytes()
+    loss_problem: str = ""
 
     @property
     def remat_measured(self) -> bool:
         """Whether the units' activations with recompute were measured (``observe_units(..., recompute=...)``)."""
         return any(u.recomputed is not None for u in self.units)
 
-    def activation_bytes(self, batch_size: int, remat: bool = False) -> int:
-        """Activation bytes of one training step for ``batch_size`` rows: the batch, every unit's activations and
-        the outputs; with ``remat``, the units' recomputed activations plus the largest unit's own (the one being
-        recomputed in the backward pass)."""
-        units = sum(u.activation_bytes(batch_size, remat) for u in self.units)
+    def activation_bytes(self, batch_size: int, remat: bool = False, gradient_bytes: int = 0) -> int:
+        """Activation bytes at the peak of one training step for ``batch_size`` rows, when the step also holds
+        ``gradient_bytes`` of gradients at its end (counted apart by the caller).
+
+        Without ``remat``: the batch, every unit's activations and the outputs (at the start of the backward pass,
+        everything the forward kept is alive, with the outputs' gradient as large as they are). The loss's own buffers
+        (:attr:`loss`) are alive at the end of the forward pass, before any gradient exists, and freed by the first
+        ops of the backward pass: they add only what they exceed ``gradient_bytes`` by (the peak is the larger of
+        the two moments). For a large vocabulary they do: a cross-entropy's softmax-sized buffer is as large as the
+        logits.
+
+        With ``remat``: the batch, the units' recomputed activations (their inputs), and the larger of the outputs
+        with the loss's buffers (the end of the forward pass) and the largest unit's own activations (the unit being
+        recomputed; the outputs are freed by then). The backward pass frees each unit's inputs as it makes the
+        unit's gradients, so that sum and the gradients are not alive at once either: it adds only what it exceeds
+        ``gradient_bytes`` by.
+
+        Example:
+            >>> units = (Unit("d", None, 60, 1, RowBytes(0, 12)),)
+            >>> obs = Observation(units, batch=RowBytes(0, 16), outputs=RowBytes(0, 8), loss=RowBytes(0, 8))
+            >>> obs.activation_bytes(10), obs.activation_bytes(10, gradient_bytes=60)  # 360 + the loss's 80 - 60
+            (440, 380)
+        """
+        batch, outputs, loss = self.batch.at(batch_size), self.outputs.at(batch_size), self.loss.at(batch_size)
         if remat and self.remat_measured:
-            units += max((u.activations.at(batch_size) for u in self.units), default=0)
-        return self.batch.at(batch_size) + units + self.outputs.at(batch_size)
+            kept = sum(u.activation_bytes(batch_size, remat) for u in self.units)
+            largest = max((u.activations.at(batch_size) for u in self.units), default=0)
+            return max(0, batch + kept + max(outputs + loss, largest) - gradient_bytes)
+        held = batch + sum(u.activation_bytes(batch_size) for u in self.units) + outputs
+        return held + max(0, loss - gradient_bytes)
 
 
 def variable_bytes(variables: Iterable[Any]) -> int:
@@ -423,14 +451,15 @@ def _accumulated_dtype(handle: Any) -> Any:
 
 @dataclass
 class _Measured:
-    """What :func:`_measure_step` measured: the units' order of first calls, their calls, their activations, and the
-    bytes of the batch and of the model's outputs."""
+    """What :func:`_measure_step` measured: the units' order of first calls, their calls, their activations, the
+    bytes of the batch and of the model's outputs, and what the loss's own ops keep for the gradient."""
 
     order: list[int]
     calls: list[int]
     activations: list[RowBytes]
     batch: RowBytes
     outputs: RowBytes
+    loss: RowBytes = RowBytes()
 
 
 def _kept_for_backward(forward: list[Any], backward: list[Any], owner: list[int]) -> list[tuple[Any, int]]:
@@ -454,34 +483,114 @@ def _kept_for_backward(forward: list[Any], backward: list[Any], owner: list[int]
     return list(kept.values())
 
 
-def _measure_step(model: Any, units: list[tuple[str, Any]], batches: list[Any], gradient: bool) -> _Measured:
+def _is_sparse(loss: Any) -> bool:
+    """Whether ``loss`` takes integer class ids as targets (one axis fewer than the outputs), by its name."""
+    name = getattr(loss, "name", None) or getattr(loss, "__name__", None) or type(loss).__name__
+    return "sparse" in str(name).lower()
+
+
+def _per_output(loss: Any, outputs: Any, model: Any) -> list[Any]:
+    """The loss of each output of ``flatten(outputs)``: one loss for all, a list in the outputs' order, or a dict
+    keyed as a dict of outputs (or by the model's output names); None where none is given (the default loss)."""
+    import tensorflow as tf
+
+    flat = tf.nest.flatten(outputs)
+    if isinstance(loss, dict):
+        names = sorted(outputs) if isinstance(outputs, dict) else list(getattr(model, "output_names", None) or [])
+        if len(names) != len(flat):
+            raise ValueError(f"a loss dict ({sorted(loss)}) needs named outputs; this model's are not named")
+        return [loss.get(name) for name in names]
+    if isinstance(loss, (list, tuple)):
+        if len(loss) != len(flat):
+            raise ValueError(f"{len(loss)} losses given for {len(flat)} outputs")
+        return list(loss)
+    return [loss] * len(flat)
+
+
+def _traced_loss(model: Any, loss: Any, outputs: Any, targets: Any) -> Any:
+    """The scalar loss of one training step on ``outputs``, as the training step computes it (see
+    :func:`observe_units`): each floating output's loss (given, or the default) against ``targets`` or zero targets
+    of the loss's kind, averaged, plus the model's own losses (``add_loss``, regularizers)."""
+    import keras
+    import tensorflow as tf
+
+    flat = tf.nest.flatten(outputs)
+    given = tf.nest.flatten(targets) if targets is not None else [None] * len(flat)
+    if len(given) != len(flat):
+        raise ValueError(f"{len(given)} targets given for {len(flat)} outputs")
+    terms = []
+    for output, function, target in zip(flat, _per_output(loss, outputs, model), given):
+        if not output.dtype.is_floating:
+            continue
+        if function is None:  # the default: class logits when there is a class axis, a regression otherwise
+            logits = output.shape.rank is not None and output.shape.rank >= 2 and output.shape[-1] != 1
+            function = (
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+                if logits
+                else keras.losses.MeanSquaredError()
+            )
+        elif isinstance(function, (str, dict)):
+            function = keras.losses.get(function)
+        if target is None:
+            sparse = _is_sparse(function)
+            target = tf.zeros(tf.shape(output)[:-1], tf.int32) if sparse else tf.zeros_like(output)
+        terms.append(tf.reduce_mean(tf.cast(function(target, output), tf.float32)))
+    terms += [tf.reduce_sum(tf.cast(extra, tf.float32)) for extra in model.losses]
+    if not terms:
+        raise ValueError("the model has no floating output to take a loss of")
+    return tf.add_n(terms)
+
+
+@dataclass(frozen=True)
+class _Objective:
+    """The loss a step is traced with (:func:`observe_units`' ``loss``) and the targets of each probe batch (None:
+    zero targets of the loss's kind)."""
+
+    loss: Any = None
+    targets: list[Any] | None = None
+
+
+def _measure_step(
+    model: Any, units: list[tuple[str, Any]], batches: list[Any], gradient: bool, objective: _Objective | None = None
+) -> _Measured:
     """Trace one training step of ``model`` (its gradient w.r.t. the trainable variables, if ``gradient``) with every
     unit's call recorded, run it on each of ``batches`` (:data:`PROBE_ROWS` rows), and fit each unit's bytes.
 
     A unit's activations are the bytes of the tensors its calls created in the forward pass that an op of the
-    gradient reads: what the step keeps alive between the two passes. Without ``gradient``, its outputs' bytes. The
-    step is traced once with an unknown batch dimension and its byte counts are computed when it runs, so one trace
-    serves both batches (a model that needs a known batch size is traced per batch). The model's variables are as
-    they were afterwards.
+    gradient reads: what the step keeps alive between the two passes. Without ``gradient``, its outputs' bytes. With
+    an ``objective``, the gradient is that of the loss (:func:`_traced_loss`) and the tensors the loss's own ops keep
+    are counted apart (``_Measured.loss``); without, the gradient of the outputs alone. The step is traced once with
+    an unknown batch dimension and its byte counts are computed when it runs, so one trace serves both batches (a
+    model that needs a known batch size is traced per batch). The model's variables are as they were afterwards.
     """
     import tensorflow as tf
 
     recorder = _CallRecorder(units)
+    loss_unit = len(units)  # the loss's ops are counted in a slot of their own, after the units'
 
     def unit_bytes(tensor: Any) -> Any:
         return tf.cast(tf.size(tensor), tf.int64) * tensor.dtype.size
 
-    def step(inputs: Any) -> tuple[Any, Any]:
+    def step(inputs: Any, *targets: Any) -> tuple[Any, Any]:
         graph = tf.compat.v1.get_default_graph()
         with tf.GradientTape() as tape:
             outputs = model(inputs, training=True)
+            model_ops = len(graph.get_operations())
+            if objective is not None:
+                loss = _traced_loss(model, objective.loss, outputs, targets[0] if targets else None)
         forward = graph.get_operations()
-        counted: list[list[Any]] = [[] for _ in units]
+        counted: list[list[Any]] = [[] for _ in range(loss_unit + 1)]
         if gradient:
-            targets = [t for t in tf.nest.flatten(outputs) if t.dtype.is_floating]
-            tape.gradient(targets, model.trainable_variables, output_gradients=[tf.ones_like(t) for t in targets])
+            if objective is not None:
+                tape.gradient(loss, model.trainable_variables)
+            else:
+                targets_ = [t for t in tf.nest.flatten(outputs) if t.dtype.is_floating]
+                tape.gradient(targets_, model.trainable_variables, output_gradients=[tf.ones_like(t) for t in targets_])
             backward = graph.get_operations()[len(forward) :]
-            for tensor, unit in _kept_for_backward(forward, backward, recorder.owners(len(forward))):
+            owner = recorder.owners(model_ops) + [loss_unit] * (len(forward) - model_ops)
+            for tensor, unit in _kept_for_backward(forward, backward, owner):
+                if unit == loss_unit and tensor.shape.rank == 0:
+                    continue  # the loss's reductions: a few bytes, left out so that the loss's figure is its buffers
                 if tensor.dtype == tf.variant:  # a while loop's accumulator: one element per step
                     dtype = _accumulated_dtype(tensor)
                     if dtype is not None:
@@ -493,27 +602,30 @@ def _measure_step(model: Any, units: list[tuple[str, Any]], batches: list[Any], 
             for unit, tensors in recorder.outputs:
                 counted[unit] += [unit_bytes(t) for t in tf.nest.flatten(tensors) if hasattr(t, "dtype")]
         zero = tf.constant(0, tf.int64)
-        per_unit = tf.stack([tf.add_n(c) if c else zero for c in counted]) if units else tf.zeros([0], tf.int64)
+        per_unit = tf.stack([tf.add_n(c) if c else zero for c in counted])
         out = [unit_bytes(t) for t in tf.nest.flatten(outputs) if hasattr(t, "dtype")]
         return per_unit, tf.add_n(out) if out else zero
 
     def spec(array: Any) -> Any:
         return tf.TensorSpec((None, *array.shape[1:]), tf.convert_to_tensor(array[:1]).dtype)
 
+    targets = objective.targets if objective is not None and objective.targets is not None else None
+    arguments = [(x,) if targets is None else (x, y) for x, y in zip(batches, targets or batches)]
     state = list(model.non_trainable_variables)  # moving statistics, random-seed states: the step moves them
     saved = [v.numpy() for v in state]
     calls: list[int] = []
     try:
         try:
-            function = tf.function(step, input_signature=[tf.nest.map_structure(spec, batches[0])], autograph=False)
-            results = [function(batches[0])]
+            signature = [tf.nest.map_structure(spec, a) for a in arguments[0]]
+            function = tf.function(step, input_signature=signature, autograph=False)
+            results = [function(*arguments[0])]
         except Exception:  # a model that needs to know its batch size: trace it per batch
             recorder.restore()
             recorder = _CallRecorder(units)
             function = tf.function(step, autograph=False)
-            results = [function(batches[0])]
+            results = [function(*arguments[0])]
         calls = list(recorder.calls)  # those of the first trace
-        results += [function(x) for x in batches[1:]]
+        results += [function(*a) for a in arguments[1:]]
     finally:
         recorder.restore()
         for variable, value in zip(state, saved):
@@ -525,14 +637,12 @@ def _measure_step(model: Any, units: list[tuple[str, Any]], batches: list[Any], 
         [_fit([p[i] for p in per_unit]) for i in range(len(units))],
         _fit([_tensor_bytes(x) for x in batches]),
         _fit([int(r[1]) for r in results]),
+        _fit([p[loss_unit] for p in per_unit]),
     )
 
 
-def _probe_batches(model: Any, sample: Any, unknown: int) -> tuple[list[Any], bool]:
-    """The probe batches of :data:`PROBE_ROWS` rows: rows of ``sample`` (repeated as needed) or batches of ones."""
-    if sample is None:
-        probes = [probe_inputs(model, rows, unknown) for rows in PROBE_ROWS]
-        return [x for x, _ in probes], probes[0][1]
+def _probe_rows(batch: Any) -> list[Any]:
+    """Batches of :data:`PROBE_ROWS` rows taken from ``batch`` (its rows repeated as needed)."""
     import numpy as np
     import tensorflow as tf
 
@@ -541,13 +651,26 @@ def _probe_batches(model: Any, sample: Any, unknown: int) -> tuple[list[Any], bo
             array = np.asarray(array)
             return np.take(array, np.arange(rows) % len(array), axis=0)
 
-        return tf.nest.map_structure(rows_of, sample)
+        return tf.nest.map_structure(rows_of, batch)
 
-    return [take(rows) for rows in PROBE_ROWS], False
+    return [take(rows) for rows in PROBE_ROWS]
+
+
+def _probe_batches(model: Any, sample: Any, unknown: int) -> tuple[list[Any], bool]:
+    """The probe batches of :data:`PROBE_ROWS` rows: rows of ``sample`` (repeated as needed) or batches of ones."""
+    if sample is None:
+        probes = [probe_inputs(model, rows, unknown) for rows in PROBE_ROWS]
+        return [x for x, _ in probes], probes[0][1]
+    return _probe_rows(sample), False
 
 
 def observe_units(
-    model: Any, *, sample: Any = None, recompute: Callable[[Any], AbstractContextManager[Any]] | None = None
+    model: Any,
+    *,
+    sample: Any = None,
+    recompute: Callable[[Any], AbstractContextManager[Any]] | None = None,
+    loss: Any = None,
+    targets: Any = None,
 ) -> Observation:
     """Trace one training step of ``model`` on two small batches and measure its units (see the module docstring).
 
@@ -564,10 +687,20 @@ def observe_units(
             sequence length or image size matters.
         recompute: Also measure each unit's activations when it is recomputed in the backward pass: the context
             under which the model's units recompute (:func:`paraml.parallelism.remat.recomputing`, given by the caller).
+        loss: The loss the training step takes of the outputs, as given to ``compile``: a name (``"mse"``), a
+            ``keras.losses.Loss``, a function ``(y_true, y_pred)``, or a list (in the outputs' order) or dict (keyed
+            as the outputs) of those. None (default): sparse categorical cross-entropy from logits for an output with
+            a class axis (rank 2 or more, last dimension above 1: a classifier's or LM head's logits), mean squared
+            error for any other. Its own buffers count (:attr:`Observation.loss`): a cross-entropy keeps a
+            softmax-sized tensor for its gradient, as large as the logits, which matters for a large vocabulary.
+        targets: A batch of targets for ``sample`` (same rows; arrays, or a list or dict of them as the outputs).
+            None: zero targets of each loss's kind (integer class ids for a loss named ``sparse...``, else zeros
+            shaped as the output); the bytes do not depend on their values.
 
     When the model cannot be called, the units come in declaration order with no activations and ``problem`` says
     why; when its gradient cannot be traced, the activations are the units' outputs and ``gradient_problem`` says
-    why.
+    why; when the loss cannot be taken of the outputs (a loss that does not fit them), the gradient is that of the
+    outputs alone, the loss's buffers are not counted and ``loss_problem`` says why.
 
     Example:
         >>> import keras
@@ -578,6 +711,7 @@ def observe_units(
     """
     units = model_units(model)
     params = [variable_bytes(layer.weights) for _, layer in units]
+    objective = _Objective(loss, None if targets is None else _probe_rows(targets))
     problems: list[str] = []
     for unknown in PROBE_DIMS if sample is None else (PROBE_DIMS[0],):
         try:
@@ -585,13 +719,18 @@ def observe_units(
         except ValueError as error:
             problems.append(str(error))
             break
-        gradient_problem = ""
+        gradient_problem = loss_problem = ""
+        traced: _Objective | None = objective
         try:
             try:
-                measured = _measure_step(model, units, batches, gradient=True)
-            except Exception as error:  # e.g. an output with no gradient: the units' outputs stand in
-                gradient_problem = _first_line(error)
-                measured = _measure_step(model, units, batches, gradient=False)
+                measured = _measure_step(model, units, batches, gradient=True, objective=objective)
+            except Exception as error:  # a loss that does not fit the outputs: the gradient of the outputs alone
+                loss_problem, traced = _first_line(error), None
+                try:
+                    measured = _measure_step(model, units, batches, gradient=True)
+                except Exception as error:  # e.g. an output with no gradient: the units' outputs stand in
+                    gradient_problem = _first_line(error)
+                    measured = _measure_step(model, units, batches, gradient=False)
         except Exception as error:  # any failure of the user's model on a probe batch: fall back, say why
             problems.append(_first_line(error))
             if not had_unknown:
@@ -600,7 +739,7 @@ def observe_units(
         recomputed: list[RowBytes | None] = [None] * len(units)
         if recompute is not None and not gradient_problem:
             with recompute(model):
-                recomputed = list(_measure_step(model, units, batches, gradient=True).activations)
+                recomputed = list(_measure_step(model, units, batches, gradient=True, objective=traced).activations)
         order = measured.order + [i for i in range(len(units)) if measured.calls[i] == 0]
         observed = tuple(
             Unit(units[i][0], units[i][1], params[i], measured.calls[i], measured.activations[i], recomputed[i])
@@ -612,6 +751,8 @@ def observe_units(
             outputs=measured.outputs,
             probe_dims=unknown if had_unknown else None,
             gradient_problem=gradient_problem,
+            loss=measured.loss,
+            loss_problem=loss_problem,
         )
     problem = "; ".join(dict.fromkeys(problems))
     return Observation(
@@ -678,6 +819,11 @@ def observation_notes(observation: Observation) -> list[str]:
         if unknown:
             more = " ..." if len(unknown) > _MAX_NAMES_IN_NOTES else ""
             notes.append(f"activations unknown (counted as 0) for: {', '.join(unknown[:_MAX_NAMES_IN_NOTES])}{more}")
+    if observation.loss_problem:
+        notes.append(
+            f"the loss could not be taken of the outputs ({observation.loss_problem}): the gradient is that of the "
+            "outputs alone and the loss's own buffers are not counted (pass the loss the model trains with)"
+        )
     if observation.gradient_problem:
         notes.append(
             f"the gradient could not be traced ({observation.gradient_problem}): activations are the units' outputs"
@@ -701,24 +847,29 @@ class HostModel:
 
     model: Any
     created: list[Any]
-    _observed: dict[tuple[int, bool], Observation] = field(default_factory=dict, init=False, repr=False)
+    _observed: dict[tuple[int, bool, int, int], Observation] = field(default_factory=dict, init=False, repr=False)
 
     def observe(
-        self, *, sample: Any = None, recompute: Callable[[Any], AbstractContextManager[Any]] | None = None
+        self,
+        *,
+        sample: Any = None,
+        recompute: Callable[[Any], AbstractContextManager[Any]] | None = None,
+        loss: Any = None,
+        targets: Any = None,
     ) -> Observation:
-        """:func:`observe_units` of the model, called on the host CPU (once per ``sample`` and ``recompute``: later
-        calls return the same).
+        """:func:`observe_units` of the model, called on the host CPU (once per ``sample``, ``recompute``, ``loss``
+        and ``targets``: later calls return the same).
 
         Raises:
             ValueError: if calling the model created variables: ``model_fn`` must return a model with all its weights.
         """
-        key = (id(sample), recompute is not None)
+        key = (id(sample), recompute is not None, id(loss), id(targets))
         if key not in self._observed:
             import tensorflow as tf
 
             before = len(self.model.weights)
             with tf.device("/device:CPU:0"):
-                observation = observe_units(self.model, sample=sample, recompute=recompute)
+                observation = observe_units(self.model, sample=sample, recompute=recompute, loss=loss, targets=targets)
             if len(self.model.weights) != before:
                 raise ValueError(
                     f"model {self.model.name!r} created variables when it was first called: model_fn must return a "
