@@ -10,9 +10,15 @@ The rule, in order:
    ``mirrored`` with the first that fits (``shard_optimizer=True``, ``remat=True``);
 4. more than one device (the model does not fit on one) -> ``model_parallel`` with a balanced partition, over the
    fewest stages whose largest fits a device, the other devices running copies of that pipeline (``data_parallel``,
-   :func:`pipeline_copies`); when one unit alone does not fit a device, its layers split over the fewest devices
-   that hold it (``tensor_parallel``, :func:`tensor_shards`);
+   :func:`fit_pipeline`); when one unit alone does not fit a device, its layers split over the fewest devices
+   that hold it (``tensor_parallel``, :func:`tensor_shards`). The pipelines of :data:`PIPELINES` are tried in order:
+   as it is, with the 1F1B schedule and micro-batches (a stage then holds only the micro-batches in flight,
+   :func:`in_flight_rows`), with the activations recomputed, with both; the first that fits is taken;
 5. otherwise -> ``single`` (with ``remat=True`` when one device's known memory needs it).
+
+When the device memory is known and nothing fits (no saving, no pipeline), ``auto`` refuses at build with an error
+naming the devices it was given, every figure it tried and what to change; it never picks a layout its backend would
+refuse. :meth:`AutoDecision.explain` lists every figure tried (:class:`Figure`), in bytes on the device holding most.
 
 A model that cannot be measured (:func:`paraml.memory.unmeasurable_reason`: a GAN trained by its own ``train_step``
 through its parts has no ``call`` to trace; an unbuilt model) trains data-parallel, which needs no measurement
@@ -28,6 +34,7 @@ chosen backend so that ``model_parallel`` plans from that build instead of makin
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -42,10 +49,35 @@ if TYPE_CHECKING:  # pragma: no cover
     from paraml.backends.base import Backend, DeviceSpec
     from paraml.planning.observe import HostModel
 
-__all__ = ["AUTO_OPTIONS", "SAVINGS", "AutoChoice", "AutoDecision", "decide", "pipeline_copies", "tensor_shards"]
+__all__ = [
+    "AUTO_OPTIONS",
+    "PIPELINES",
+    "SAVINGS",
+    "AutoChoice",
+    "AutoDecision",
+    "Figure",
+    "decide",
+    "fit_pipeline",
+    "in_flight_rows",
+    "pipeline_copies",
+    "tensor_shards",
+]
 
 #: Options of ``Parallel("auto")``: its own, and those it passes to ``model_parallel`` if it picks it.
-AUTO_OPTIONS = ("device_memory", "batch_size", "sample", "partition", "micro_batches")
+AUTO_OPTIONS = ("device_memory", "batch_size", "sample", "partition", "micro_batches", "schedule")
+
+#: The micro-batches ``auto`` gives a 1F1B pipeline when the user named none (``micro_batches`` not given).
+DEFAULT_MICRO_BATCHES = 4
+
+#: The pipelines ``auto`` tries, in order, when no saving of :data:`SAVINGS` makes a replica fit one device: as it
+#: is, with the 1F1B schedule (and micro-batches), with recompute, with both. 1F1B comes before recompute: it costs no
+#: extra forward pass, and its micro-batches shrink the pipeline's idle time as well as its activations.
+PIPELINES: tuple[dict[str, Any], ...] = (
+    {},
+    {"schedule": "1f1b"},
+    {"remat": True},
+    {"remat": True, "schedule": "1f1b"},
+)
 
 
 #: What ``auto`` tries, in order, when the model does not fit one device as it is: fewer bytes per device for the
@@ -58,13 +90,33 @@ SAVINGS: tuple[dict[str, bool], ...] = (
 
 
 @dataclass(frozen=True)
+class Figure:
+    """One layout ``auto`` estimated: ``layout`` in words, ``bytes`` on the device holding most, and whether that
+    fits the device memory it was compared with.
+
+    Example:
+        >>> str(Figure("mirrored (a replica's 16 rows)", 3 * 2**20, fits=False))
+        "mirrored (a replica's 16 rows) 3.00 MiB (does not fit)"
+    """
+
+    layout: str
+    bytes: int
+    fits: bool
+
+    def __str__(self) -> str:
+        return f"{self.layout} {format_bytes(self.bytes)} ({'fits' if self.fits else 'does not fit'})"
+
+
+@dataclass(frozen=True)
 class AutoDecision:
     """What ``auto`` chose and why: :meth:`explain` says it in words, with the numbers.
 
     ``settings`` are the memory savings it turned on (``{"remat": True}``, ``{"shard_optimizer": True}``), with
-    ``saved_estimate`` the estimate with them; ``tried`` every saving estimated, when none made the model fit.
-    ``copies`` are the copies of the ``model_parallel`` pipeline (``data_parallel``), ``largest_stage`` the bytes
-    of its largest stage, ``tensor`` the devices each stage's split layers span (``tensor_parallel``).
+    ``saved_estimate`` the estimate with them (``mirrored``, ``single``); ``tried`` every saving estimated, when none
+    made the model fit. ``copies`` are the copies of the ``model_parallel`` pipeline (``data_parallel``),
+    ``largest_stage`` the bytes of its largest stage, ``tensor`` the devices each stage's split layers span
+    (``tensor_parallel``), ``micro_batches`` and ``schedule`` the pipeline's (None: the user's, or the default).
+    ``figures`` are every layout and saving estimated, in the order tried (:class:`Figure`).
     ``unmeasured`` says why the model could not be measured (then ``estimate`` is None), with ``parameters`` the
     bytes of its variables; ``caveat`` what the estimate could not see (a probe batch the model refused).
     """
@@ -83,6 +135,9 @@ class AutoDecision:
     unmeasured: str = ""
     parameters: int | None = None
     caveat: str = ""
+    figures: tuple[Figure, ...] = ()
+    micro_batches: int | None = None
+    schedule: str | None = None
 
     @property
     def remat(self) -> bool:
@@ -94,13 +149,26 @@ class AutoDecision:
         """Whether ``auto`` sharded the optimizer state."""
         return self.settings.get("shard_optimizer", False)
 
+    @property
+    def fits(self) -> bool | None:
+        """Whether the chosen layout fits the device memory: None when that is unknown (no memory, no measurement,
+        or a pipeline not sized by ``auto``)."""
+        if self.device_memory is None or self.estimate is None:
+            return None
+        if self.strategy == "model_parallel":
+            return None if self.largest_stage is None else self.largest_stage <= self.device_memory
+        chosen = self.saved_estimate if self.saved_estimate is not None else self.estimate
+        return chosen.total <= self.device_memory
+
     def explain(self) -> str:
-        """Why this strategy, with the numbers that decided it."""
+        """Why this strategy, with the numbers that decided it, and every figure tried."""
         if self.strategy == "multi_worker":
             return f"chose 'multi_worker': TF_CONFIG describes a cluster of {self.num_workers} workers"
         if self.unmeasured:
             return self._explain_unmeasured()
         text = self._explain_measured()
+        if self.figures and self.device_memory is not None:
+            text += f"; {tried_figures(self.figures, self.device_memory)}"
         return f"{text}; {self.caveat}" if self.caveat else text
 
     def _explain_unmeasured(self) -> str:
@@ -129,7 +197,7 @@ class AutoDecision:
         if self.num_devices <= 1 and not self.settings:
             return "chose 'single': one device is available"
         need = _needs(self.estimate)
-        if self.settings:
+        if self.settings and self.strategy != "model_parallel":
             assert self.saved_estimate is not None
             where = "one device is available" if self.num_devices <= 1 else f"on {self.num_devices} devices"
             return (
@@ -145,16 +213,34 @@ class AutoDecision:
                 f"; a unit does not fit one device, so its layers are split over {self.tensor} devices "
                 f"(tensor_parallel={self.tensor})"
             )
+        stages = self.num_devices // self.copies // self.tensor
         if self.copies > 1 and self.largest_stage is not None:
-            stages = self.num_devices // self.copies // self.tensor
             layout += (
                 f"; as {self.copies} copies of a {stages}-stage pipeline (data_parallel={self.copies}): the fewest "
                 f"stages whose largest fits, {format_bytes(self.largest_stage)}"
             )
+        elif self.largest_stage is not None:
+            layout += f"; as a {stages}-stage pipeline whose largest stage needs {format_bytes(self.largest_stage)}"
+        if self.settings or self.schedule == "1f1b":
+            how = [f"{name}=True" for name in sorted(self.settings)]
+            if self.schedule == "1f1b":
+                how.append(f"schedule='1f1b' and micro_batches={self.micro_batches}")
+            layout += f", with {' and '.join(how)} (a pipeline as it is does not fit)"
         return (
             f"chose 'model_parallel' on {self.num_devices} devices: the model does not fit on one device: "
             f"{need}{more} > {have}{layout}"
         )
+
+
+def tried_figures(figures: Sequence[Figure], device_memory: int) -> str:
+    """Every figure ``auto`` tried, in order, against the device memory, in one sentence.
+
+    Example:
+        >>> tried_figures([Figure("mirrored", 3072, False), Figure("2-stage pipeline", 1024, True)], 2048)
+        'tried (bytes on the device holding most, vs device memory 2.00 KiB): mirrored 3.00 KiB (does not fit), 2-stage pipeline 1.00 KiB (fits)'
+    """  # noqa: E501
+    listed = ", ".join(map(str, figures))
+    return f"tried (bytes on the device holding most, vs device memory {format_bytes(device_memory)}): {listed}"
 
 
 _WHY = {
@@ -205,7 +291,7 @@ def decide(
     """
     if unmeasured:  # nothing to decide by: data parallelism needs no measurement
         estimate, savings = None, ()
-    known = {"unmeasured": unmeasured, "parameters": parameters}
+    known: dict[str, Any] = {"unmeasured": unmeasured, "parameters": parameters}
     fits = estimate is None or device_memory is None or estimate.total <= device_memory
     saved = None if fits else next(((k, e) for k, e in savings if e.total <= device_memory), None)  # type: ignore[operator]
     if num_workers > 1:
@@ -216,10 +302,81 @@ def decide(
         strategy = "mirrored"
     else:
         strategy = "model_parallel"
+    figures: tuple[Figure, ...] = ()
+    if estimate is not None and device_memory is not None:
+        base = (
+            f"mirrored (a replica's {estimate.batch_size} rows)"
+            if num_devices > 1
+            else f"single ({estimate.batch_size} rows)"
+        )
+        figures = (Figure(base, estimate.total, fits),) + tuple(
+            Figure(f"{base} with {_settings(k)}", e.total, e.total <= device_memory) for k, e in savings
+        )
     if saved is None:
         tried = () if fits else tuple(savings)
-        return AutoDecision(strategy, num_workers, num_devices, estimate, device_memory, tried=tried, **known)
-    return AutoDecision(strategy, num_workers, num_devices, estimate, device_memory, dict(saved[0]), saved[1], **known)
+        return AutoDecision(
+            strategy, num_workers, num_devices, estimate, device_memory, tried=tried, figures=figures, **known
+        )
+    return AutoDecision(
+        strategy, num_workers, num_devices, estimate, device_memory, dict(saved[0]), saved[1], figures=figures, **known
+    )
+
+
+def in_flight_rows(batch_size: int, micro_batches: int, stages: int) -> int:
+    """The rows whose activations the fullest stage of a 1F1B pipeline holds at once: ``min(K, S)`` micro-batches of
+    ``ceil(batch / K)`` rows, the fraction ``min(K, S) / K`` of the batch (at most all of it).
+
+    This mirrors the schedule's in-flight count (:meth:`paraml.planning.schedules.Schedule.most_in_flight`: under
+    1F1B, stage ``s`` of ``S`` holds at most ``min(K, S - s)`` micro-batches, the first stage the most). ``auto``
+    sizes every stage by it, and hands it to ``model_parallel`` as the batch its stages are planned and checked for,
+    so that the backend refuses nothing ``auto`` found to fit.
+
+    Example:
+        >>> in_flight_rows(32, micro_batches=4, stages=2)  # 2 micro-batches of 8 rows in flight
+        16
+        >>> in_flight_rows(32, micro_batches=4, stages=8)  # every micro-batch in flight: the whole batch
+        32
+    """
+    return min(batch_size, min(micro_batches, stages) * -(-batch_size // micro_batches))
+
+
+def fit_pipeline(
+    costs: Sequence[LayerCost] | Callable[[int], Sequence[LayerCost]],
+    num_devices: int,
+    device_memory: int,
+    slots_per_param: int,
+    partition: Any = "balanced",
+    min_stages: int = 2,
+    transient: Callable[[int], int] | None = None,
+) -> tuple[int, int, bool]:
+    """The fewest stages (a divisor of ``num_devices``, at least ``min_stages``) whose largest stage fits
+    ``device_memory``, that largest stage's bytes, and True; when none fits, the most stages tried, their largest
+    stage's bytes, and False. ``costs`` may depend on the number of stages (a callable of it: a 1F1B pipeline's
+    stages hold the micro-batches in flight, :func:`in_flight_rows`). ``transient(stages)`` is added to the largest
+    stage: bytes live only while a stage runs (a recomputed unit's own activations). An explicit ``partition``
+    (lists) has the stages it names: all the devices.
+
+    Example:
+        >>> from paraml.planning.partition import LayerCost
+        >>> costs = [LayerCost(f"dense_{i}", 100, 0) for i in range(8)]    # 100 bytes each, no activations
+        >>> fit_pipeline(costs, 4, device_memory=1700, slots_per_param=2)  # two stages of 1600 fit
+        (2, 1600, True)
+        >>> fit_pipeline(costs, 4, device_memory=700, slots_per_param=2)   # not even four stages of 800
+        (4, 800, False)
+    """
+    explicit = not isinstance(partition, str)
+    tried = [num_devices] if explicit else [n for n in range(min_stages, num_devices + 1) if num_devices % n == 0]
+    result = (num_devices, 0, False)
+    for stages in tried:
+        units = list(costs(stages) if callable(costs) else costs)
+        if stages > len(units):
+            break
+        largest = make_plan(units, partition, stages, slots_per_param).largest_stage_bytes
+        largest += transient(stages) if transient is not None else 0
+        result = (stages, largest, largest <= device_memory)
+        if largest <= device_memory:
+            break
+    return result
 
 
 def pipeline_copies(
@@ -295,6 +452,8 @@ class AutoChoice:
             self.options["device_memory"] = parse_size(self.options["device_memory"])
         self.backend: Backend | None = None
         self.decision: AutoDecision | None = None
+        #: When no pipeline holds the model's largest unit: that unit's bytes at best, and the sentence naming it.
+        self._unit_problems: list[tuple[int, str]] = []
         cluster = detect_cluster()  # TF_CONFIG or a scheduler's variables
         if cluster is not None and cluster.num_workers > 1:  # decided now: the strategy must exist at program start
             self.decision = decide(num_workers=cluster.num_workers, num_devices=0, estimate=None, device_memory=None)
@@ -320,10 +479,7 @@ class AutoChoice:
         from paraml.devices import device_memory
         from paraml.memory import estimate_memory, unmeasurable_reason
         from paraml.parallelism.remat import recomputing
-        from paraml.parallelism.tensor_parallel import plan_splits
-        from paraml.planning.observe import build_on_host, unit_costs, variable_bytes
-        from paraml.planning.optimizers import optimizer_slots_per_param
-        from paraml.planning.partition import layer_cost
+        from paraml.planning.observe import build_on_host, variable_bytes
 
         devices = self.local_devices()
         memory = self.options.get("device_memory")
@@ -371,22 +527,14 @@ class AutoChoice:
             if sample is None:
                 caveat += "; pass sample=<a batch of the model's inputs> to let auto measure them"
             self.decision = replace(self.decision, caveat=caveat)
-        partition = self.options.get("partition", "balanced")
-        if self.decision.strategy == "model_parallel" and as_is is not None and memory and partition == "balanced":
-            slots = optimizer_slots_per_param(optimizer)
-            costs = unit_costs(as_is, batch_size, remat=remat)  # one pipeline's stages see the whole batch at most
-            tensor = 1
-            if max(layer_cost(c, slots) for c in costs) > memory:  # one unit alone does not fit: split its layers
-
-                def saved_bytes(shards: int) -> list[int]:  # as the placement will count them with that split
-                    split = plan_splits(host.model, shards, sample)
-                    return [split.saved_bytes(u.layer) for u in as_is.units]
-
-                tensor, costs = tensor_shards(costs, saved_bytes, len(devices), memory, slots)
-            copies, largest = pipeline_copies(costs, len(devices) // tensor, memory, slots)
-            self.decision = replace(self.decision, copies=copies, largest_stage=largest, tensor=tensor)
+        planned: dict[str, Any] = {}  # what the chosen pipeline passes model_parallel
+        if self.decision.strategy == "model_parallel" and as_is is not None and memory is not None:
+            planned = self._size_pipeline(host, optimizer, remat, batch_size, memory, len(devices))
+        if self.decision.fits is False:  # nothing fits: refused now, not by the backend or at the first step
+            raise ValueError(self._refusal(devices, memory, batch_size))
         chosen = backends.get_backend(self.decision.strategy)
         passed = {k: v for k, v in self.options.items() if k in chosen.option_names}
+        passed.update(planned)
         if self.decision.copies > 1:
             passed["data_parallel"] = self.decision.copies
         if self.decision.tensor > 1:
@@ -395,3 +543,152 @@ class AutoChoice:
             passed["shard_optimizer"] = True
         self.backend = chosen(self.devices if len(devices) > 1 else devices, **passed)
         return self.backend, host
+
+    def _size_pipeline(
+        self, host: HostModel | None, optimizer: Any, remat: bool, batch_size: int, memory: int, num_devices: int
+    ) -> dict[str, Any]:
+        """Size the pipelines of :data:`PIPELINES` in order and keep the first that fits in :attr:`decision` (its
+        copies, tensor shards, stages, recompute, schedule; every figure tried); return the options it passes
+        ``model_parallel``. When none fits, :attr:`decision` keeps the last one tried, which does not fit.
+
+        A pipeline's stages are sized for the whole global batch (each copy of it sees its share at most); a 1F1B
+        pipeline's for the rows it holds in flight (:func:`in_flight_rows`), which is the batch ``model_parallel``
+        is then told to plan and check its stages for, so that it finds what ``auto`` found."""
+        from paraml.parallelism.remat import recomputing
+        from paraml.parallelism.tensor_parallel import plan_splits
+        from paraml.planning.observe import unit_costs
+        from paraml.planning.optimizers import optimizer_slots_per_param
+        from paraml.planning.partition import layer_cost
+
+        assert host is not None and self.decision is not None
+        sample = self.options.get("sample")
+        partition = self.options.get("partition", "balanced")
+        slots = optimizer_slots_per_param(optimizer)
+        user_k = self.options.get("micro_batches")
+        user_schedule = self.options.get("schedule")
+        shards_saved: dict[int, list[int]] = {}
+
+        def saved_bytes(shards: int) -> list[int]:  # per unit, as the placement will count them with that split
+            if shards not in shards_saved:
+                split = plan_splits(host.model, shards, sample)
+                shards_saved[shards] = [split.saved_bytes(u.layer) for u in host.observe(sample=sample).units]
+            return shards_saved[shards]
+
+        figures = list(self.decision.figures)
+        self._unit_problems = []
+        # the pipelines to try: (recompute, schedule, micro-batches), each once
+        tries: list[tuple[bool, str, int]] = []
+        for pipeline in PIPELINES:
+            if pipeline.get("remat") and remat:
+                continue  # the user's remat is on in every pipeline already
+            if pipeline.get("schedule") and user_schedule not in (None, pipeline["schedule"]):
+                continue  # the user chose the schedule
+            schedule = pipeline.get("schedule", user_schedule or "gpipe")
+            k = user_k if user_k is not None else (DEFAULT_MICRO_BATCHES if schedule == "1f1b" else 1)
+            if k > batch_size and user_k is None:
+                continue  # micro-batches without rows
+            key = (remat or pipeline.get("remat", False), schedule if k > 1 else "gpipe", k)
+            if key not in tries:
+                tries.append(key)
+
+        def rows_at(stages: int, schedule: str, k: int) -> int:
+            return in_flight_rows(batch_size, k, stages) if schedule == "1f1b" else batch_size
+
+        def costs_at(stages: int, tensor: int, with_remat: bool, schedule: str, k: int) -> list[LayerCost]:
+            observed = host.observe(sample=sample, recompute=recomputing if with_remat else None)
+            costs = unit_costs(observed, rows_at(stages, schedule, k), remat=with_remat)
+            if tensor == 1:
+                return costs
+            return [replace(c, param_bytes=c.param_bytes - s) for c, s in zip(costs, saved_bytes(tensor))]
+
+        def recomputing_peak(stages: int, with_remat: bool, schedule: str, k: int) -> int:
+            # A stage recomputing a unit holds that unit's own activations meanwhile; the stage figures leave them
+            # out, so auto adds the largest unit's (as estimate_memory does for the whole model).
+            if not with_remat:
+                return 0
+            units = host.observe(sample=sample, recompute=recomputing).units
+            return max((u.activations.at(rows_at(stages, schedule, k)) for u in units), default=0)
+
+        # Without splitting layers first (tensor_parallel talks at every layer), each pipeline of ``tries`` in order,
+        # the fewest stages first; then with each layer split over 2 devices, and so on.
+        shards = [t for t in range(1, num_devices + 1) if num_devices % t == 0] if isinstance(partition, str) else [1]
+        last: dict[str, Any] = {}
+        for tensor in shards:
+            pipes = num_devices // tensor
+            for with_remat, schedule, k in tries:
+                stages, largest, fits = fit_pipeline(
+                    functools.partial(costs_at, tensor=tensor, with_remat=with_remat, schedule=schedule, k=k),
+                    pipes,
+                    memory,
+                    slots,
+                    partition,
+                    min_stages=1 if pipes == 1 else 2,
+                    transient=functools.partial(recomputing_peak, with_remat=with_remat, schedule=schedule, k=k),
+                )
+                if largest == 0 and not fits:
+                    continue  # more stages than units: model_parallel refuses that with its own words
+                copies = pipes // stages
+                how = _pipeline_words(with_remat and not remat, schedule, k, tensor)
+                layout = f"{stages}-stage pipeline" + (f" x {copies} copies" if copies > 1 else "")
+                rows = rows_at(stages, schedule, k)
+                figures.append(Figure(f"{layout}{how and ' ' + how} ({rows} rows)", largest, fits))
+                last = {
+                    "settings": {"remat": True} if with_remat and not remat else {},
+                    "copies": copies,
+                    "largest_stage": largest,
+                    "tensor": tensor,
+                    "micro_batches": k,
+                    "schedule": schedule,
+                    "passed": {"micro_batches": k, "schedule": schedule, "batch_size": rows},
+                }
+                if fits:
+                    break
+            if last and last["largest_stage"] <= memory:
+                break
+        else:  # none fits: is it one unit that no split and no pipeline holds?
+            tensor = shards[-1]
+            unit_problems = []
+            for with_remat, schedule, k in tries:
+                costs = costs_at(num_devices // tensor, tensor, with_remat, schedule, k)
+                unit = max(costs, key=lambda c: layer_cost(c, slots))
+                how = _pipeline_words(with_remat and not remat, schedule, k, tensor)
+                unit_problems.append((layer_cost(unit, slots), f"unit {unit.name!r} needs {{}} {how or 'as it is'}"))
+            if unit_problems and min(unit_problems)[0] > memory:
+                needs, words = min(unit_problems)
+                self._unit_problems = [(needs, words.format(format_bytes(needs)))]
+        passed = last.pop("passed", {})
+        if not last:  # no pipeline could be sized (more stages than units): refused with the figures tried
+            last = {"largest_stage": memory + 1}
+        self.decision = replace(self.decision, figures=tuple(figures), **last)
+        return passed
+
+    def _refusal(self, devices: Sequence[str], memory: int | None, batch_size: int) -> str:
+        """Why nothing fits: the devices given, every figure tried, and what to change."""
+        assert self.decision is not None and memory is not None
+        given = "batch_size" in self.options
+        text = (
+            f"Parallel('auto') found no layout that fits the {len(devices)} device(s) it was given "
+            f"({', '.join(devices)}), with {format_bytes(memory)} each: "
+            f"{tried_figures(self.decision.figures, memory)}"
+        )
+        problems = self._unit_problems
+        if problems:
+            limit = format_bytes(memory)
+            text += f"; no pipeline holds its largest unit: at best, {problems[0][1]}, more than a device's {limit}"
+        batch = f"batch_size={batch_size}" + ("" if given else ", the default auto sizes for")
+        return (
+            f"{text}. To train it, give more devices, a larger device_memory (if the devices have more than "
+            f"{format_bytes(memory)}), or a smaller global batch (now {batch})"
+        )
+
+
+def _pipeline_words(remat: bool, schedule: str, micro_batches: int, tensor: int) -> str:
+    """How a pipeline ``auto`` sized runs, in words ("" for one as it is)."""
+    words = []
+    if tensor > 1:
+        words.append(f"tensor_parallel={tensor}")
+    if remat:
+        words.append("remat=True")
+    if micro_batches > 1:
+        words.append(f"schedule={schedule!r} x {micro_batches} micro-batches")
+    return f"with {', '.join(words)}" if words else ""
