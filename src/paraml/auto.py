@@ -11,9 +11,11 @@ The rule, in order:
 4. more than one device (the model does not fit on one) -> ``model_parallel`` with a balanced partition, over the
    fewest stages whose largest fits a device, the other devices running copies of that pipeline (``data_parallel``,
    :func:`fit_pipeline`); when one unit alone does not fit a device, its layers split over the fewest devices
-   that hold it (``tensor_parallel``, :func:`tensor_shards`). The pipelines of :data:`PIPELINES` are tried in order:
-   as it is, with the 1F1B schedule and micro-batches (a stage then holds only the micro-batches in flight,
-   :func:`in_flight_rows`), with the activations recomputed, with both; the first that fits is taken;
+   that hold it (``tensor_parallel``). The pipelines of :data:`PIPELINES` are tried in order:
+   as it is, with the 1F1B schedule and micro-batches (a stage then holds only the micro-batches in flight), with
+   the activations recomputed, with both; the first that fits is taken. Each is sized with the figures the
+   ``model_parallel`` placement plans and checks with (:class:`paraml.planning.observe.StageHolding`), so the
+   backend refuses nothing ``auto`` found to fit;
 5. otherwise -> ``single`` (with ``remat=True`` when one device's known memory needs it).
 
 When the device memory is known and nothing fits (no saving, no pipeline), ``auto`` refuses at build with an error
@@ -40,7 +42,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from paraml.memory import MemoryEstimate
+from paraml.planning.observe import StageHolding
 from paraml.planning.partition import LayerCost, make_plan
+from paraml.planning.schedules import Schedule
 from paraml.planning.sizes import format_bytes, parse_size
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -58,9 +62,6 @@ __all__ = [
     "Figure",
     "decide",
     "fit_pipeline",
-    "in_flight_rows",
-    "pipeline_copies",
-    "tensor_shards",
 ]
 
 #: Options of ``Parallel("auto")``: its own, and those it passes to ``model_parallel`` if it picks it.
@@ -322,39 +323,20 @@ def decide(
     )
 
 
-def in_flight_rows(batch_size: int, micro_batches: int, stages: int) -> int:
-    """The rows whose activations the fullest stage of a 1F1B pipeline holds at once: ``min(K, S)`` micro-batches of
-    ``ceil(batch / K)`` rows, the fraction ``min(K, S) / K`` of the batch (at most all of it).
-
-    This mirrors the schedule's in-flight count (:meth:`paraml.planning.schedules.Schedule.most_in_flight`: under
-    1F1B, stage ``s`` of ``S`` holds at most ``min(K, S - s)`` micro-batches, the first stage the most). ``auto``
-    sizes every stage by it, and hands it to ``model_parallel`` as the batch its stages are planned and checked for,
-    so that the backend refuses nothing ``auto`` found to fit.
-
-    Example:
-        >>> in_flight_rows(32, micro_batches=4, stages=2)  # 2 micro-batches of 8 rows in flight
-        16
-        >>> in_flight_rows(32, micro_batches=4, stages=8)  # every micro-batch in flight: the whole batch
-        32
-    """
-    return min(batch_size, min(micro_batches, stages) * -(-batch_size // micro_batches))
-
-
 def fit_pipeline(
-    costs: Sequence[LayerCost] | Callable[[int], Sequence[LayerCost]],
+    costs: Sequence[LayerCost] | Callable[[int], Sequence[LayerCost] | StageHolding],
     num_devices: int,
     device_memory: int,
     slots_per_param: int,
     partition: Any = "balanced",
     min_stages: int = 2,
-    transient: Callable[[int], int] | None = None,
 ) -> tuple[int, int, bool]:
     """The fewest stages (a divisor of ``num_devices``, at least ``min_stages``) whose largest stage fits
     ``device_memory``, that largest stage's bytes, and True; when none fits, the most stages tried, their largest
-    stage's bytes, and False. ``costs`` may depend on the number of stages (a callable of it: a 1F1B pipeline's
-    stages hold the micro-batches in flight, :func:`in_flight_rows`). ``transient(stages)`` is added to the largest
-    stage: bytes live only while a stage runs (a recomputed unit's own activations). An explicit ``partition``
-    (lists) has the stages it names: all the devices.
+    stage's bytes, and False. ``costs`` may depend on the number of stages: a callable of it giving the units' costs
+    or what the stages hold under a schedule (:class:`paraml.planning.observe.StageHolding`, the figures the
+    ``model_parallel`` placement plans and checks with). An explicit ``partition`` (lists) has the stages it names:
+    all the devices.
 
     Example:
         >>> from paraml.planning.partition import LayerCost
@@ -368,72 +350,17 @@ def fit_pipeline(
     tried = [num_devices] if explicit else [n for n in range(min_stages, num_devices + 1) if num_devices % n == 0]
     result = (num_devices, 0, False)
     for stages in tried:
-        units = list(costs(stages) if callable(costs) else costs)
+        found = costs(stages) if callable(costs) else costs
+        held = found if isinstance(found, StageHolding) else None
+        units = list(held.costs if held is not None else found)
         if stages > len(units):
             break
-        largest = make_plan(units, partition, stages, slots_per_param).largest_stage_bytes
-        largest += transient(stages) if transient is not None else 0
+        schedule = {"in_flight": held.in_flight, "output_bytes": held.output_bytes} if held is not None else {}
+        largest = make_plan(units, partition, stages, slots_per_param, **schedule).largest_stage_bytes
         result = (stages, largest, largest <= device_memory)
         if largest <= device_memory:
             break
     return result
-
-
-def pipeline_copies(
-    costs: Sequence[LayerCost], num_devices: int, device_memory: int, slots_per_param: int
-) -> tuple[int, int | None]:
-    """How many copies of a balanced pipeline ``num_devices`` devices run: the fewest stages (a divisor of
-    ``num_devices``, at least 2) whose largest stage fits ``device_memory``, the other devices holding copies; and
-    that largest stage's bytes. One copy (and None) when only all the devices together fit it.
-
-    Example:
-        >>> from paraml.planning.partition import LayerCost
-        >>> costs = [LayerCost(f"dense_{i}", 100, 0) for i in range(8)]    # 100 bytes each, no activations
-        >>> pipeline_copies(costs, 4, device_memory=900, slots_per_param=2)  # 400 bytes a unit: 4 stages of 800
-        (1, None)
-        >>> pipeline_copies(costs, 4, device_memory=1700, slots_per_param=2)  # two stages of 1600 fit
-        (2, 1600)
-    """
-    for stages in range(2, num_devices):
-        if num_devices % stages or stages > len(costs):
-            continue
-        largest = make_plan(list(costs), "balanced", stages, slots_per_param).largest_stage_bytes
-        if largest <= device_memory:
-            return num_devices // stages, largest
-    return 1, None
-
-
-def tensor_shards(
-    costs: Sequence[LayerCost],
-    saved_bytes: Callable[[int], Sequence[int]],
-    num_devices: int,
-    device_memory: int,
-    slots_per_param: int,
-) -> tuple[int, list[LayerCost]]:
-    """The fewest devices (a divisor of ``num_devices``; 1 when every unit fits one) over which the units' split
-    layers must be shared for the largest unit to fit ``device_memory``, and the units' costs per device with that
-    split. ``saved_bytes(n)`` gives, per unit, the parameter bytes a split over ``n`` devices takes off the device
-    holding most (:meth:`paraml.parallelism.tensor_parallel.TensorPlan.saved_bytes`, the formula the placement checks
-    with). The most devices when none is enough.
-
-    Example:
-        >>> from paraml.planning.footprint import part_bytes
-        >>> from paraml.planning.partition import LayerCost
-        >>> costs = [LayerCost("embedding", 1000, 0), LayerCost("head", 100, 0)]  # x4 with gradients and 2 slots
-        >>> def saved(n): return [1000 - part_bytes(1000, 10, n), 0]  # the embedding's 10 rows split over n
-        >>> shards, per_device = tensor_shards(costs, saved, 4, device_memory=2000, slots_per_param=2)
-        >>> shards, per_device[0].param_bytes
-        (2, 500)
-    """
-    from paraml.planning.partition import layer_cost
-
-    shards, per_device = 1, list(costs)
-    for shards in [n for n in range(1, num_devices + 1) if num_devices % n == 0]:
-        saved = saved_bytes(shards) if shards > 1 else [0] * len(costs)
-        per_device = [replace(c, param_bytes=c.param_bytes - s) for c, s in zip(costs, saved)]
-        if max(layer_cost(c, slots_per_param) for c in per_device) <= device_memory:
-            break
-    return shards, per_device
 
 
 class AutoChoice:
@@ -551,12 +478,11 @@ class AutoChoice:
         copies, tensor shards, stages, recompute, schedule; every figure tried); return the options it passes
         ``model_parallel``. When none fits, :attr:`decision` keeps the last one tried, which does not fit.
 
-        A pipeline's stages are sized for the whole global batch (each copy of it sees its share at most); a 1F1B
-        pipeline's for the rows it holds in flight (:func:`in_flight_rows`), which is the batch ``model_parallel``
-        is then told to plan and check its stages for, so that it finds what ``auto`` found."""
+        A pipeline's stages are sized for the whole global batch (each copy of it sees its share at most) under its
+        schedule: what each stage holds of its micro-batches in flight (:class:`paraml.planning.observe.StageHolding`,
+        the figures ``model_parallel`` plans and checks its stages with, so that it finds what ``auto`` found)."""
         from paraml.parallelism.remat import recomputing
         from paraml.parallelism.tensor_parallel import plan_splits
-        from paraml.planning.observe import unit_costs
         from paraml.planning.optimizers import optimizer_slots_per_param
         from paraml.planning.partition import layer_cost
 
@@ -591,23 +517,14 @@ class AutoChoice:
             if key not in tries:
                 tries.append(key)
 
-        def rows_at(stages: int, schedule: str, k: int) -> int:
-            return in_flight_rows(batch_size, k, stages) if schedule == "1f1b" else batch_size
-
-        def costs_at(stages: int, tensor: int, with_remat: bool, schedule: str, k: int) -> list[LayerCost]:
+        def holding_at(stages: int, tensor: int, with_remat: bool, schedule: str, k: int) -> StageHolding:
+            # what the stages hold under the schedule, as the placement will plan and check them
             observed = host.observe(sample=sample, recompute=recomputing if with_remat else None)
-            costs = unit_costs(observed, rows_at(stages, schedule, k), remat=with_remat)
+            held = StageHolding.of(observed, Schedule(schedule, stages, k), batch_size, remat=with_remat)
             if tensor == 1:
-                return costs
-            return [replace(c, param_bytes=c.param_bytes - s) for c, s in zip(costs, saved_bytes(tensor))]
-
-        def recomputing_peak(stages: int, with_remat: bool, schedule: str, k: int) -> int:
-            # A stage recomputing a unit holds that unit's own activations meanwhile; the stage figures leave them
-            # out, so auto adds the largest unit's (as estimate_memory does for the whole model).
-            if not with_remat:
-                return 0
-            units = host.observe(sample=sample, recompute=recomputing).units
-            return max((u.activations.at(rows_at(stages, schedule, k)) for u in units), default=0)
+                return held
+            costs = [replace(c, param_bytes=c.param_bytes - s) for c, s in zip(held.costs, saved_bytes(tensor))]
+            return replace(held, costs=costs)
 
         # Without splitting layers first (tensor_parallel talks at every layer), each pipeline of ``tries`` in order,
         # the fewest stages first; then with each layer split over 2 devices, and so on.
@@ -617,21 +534,20 @@ class AutoChoice:
             pipes = num_devices // tensor
             for with_remat, schedule, k in tries:
                 stages, largest, fits = fit_pipeline(
-                    functools.partial(costs_at, tensor=tensor, with_remat=with_remat, schedule=schedule, k=k),
+                    functools.partial(holding_at, tensor=tensor, with_remat=with_remat, schedule=schedule, k=k),
                     pipes,
                     memory,
                     slots,
                     partition,
                     min_stages=1 if pipes == 1 else 2,
-                    transient=functools.partial(recomputing_peak, with_remat=with_remat, schedule=schedule, k=k),
                 )
                 if largest == 0 and not fits:
                     continue  # more stages than units: model_parallel refuses that with its own words
                 copies = pipes // stages
                 how = _pipeline_words(with_remat and not remat, schedule, k, tensor)
                 layout = f"{stages}-stage pipeline" + (f" x {copies} copies" if copies > 1 else "")
-                rows = rows_at(stages, schedule, k)
-                figures.append(Figure(f"{layout}{how and ' ' + how} ({rows} rows)", largest, fits))
+                rows = Schedule(schedule, stages, k).micro_batch_rows(batch_size)
+                figures.append(Figure(f"{layout}{how and ' ' + how} ({rows} rows a micro-batch)", largest, fits))
                 last = {
                     "settings": {"remat": True} if with_remat and not remat else {},
                     "copies": copies,
@@ -639,7 +555,7 @@ class AutoChoice:
                     "tensor": tensor,
                     "micro_batches": k,
                     "schedule": schedule,
-                    "passed": {"micro_batches": k, "schedule": schedule, "batch_size": rows},
+                    "passed": {"micro_batches": k, "schedule": schedule, "batch_size": batch_size},
                 }
                 if fits:
                     break
@@ -649,7 +565,7 @@ class AutoChoice:
             tensor = shards[-1]
             unit_problems = []
             for with_remat, schedule, k in tries:
-                costs = costs_at(num_devices // tensor, tensor, with_remat, schedule, k)
+                costs = holding_at(num_devices // tensor, tensor, with_remat, schedule, k).costs
                 unit = max(costs, key=lambda c: layer_cost(c, slots))
                 how = _pipeline_words(with_remat and not remat, schedule, k, tensor)
                 unit_problems.append((layer_cost(unit, slots), f"unit {unit.name!r} needs {{}} {how or 'as it is'}"))

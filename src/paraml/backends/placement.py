@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import keras
@@ -24,60 +24,16 @@ from paraml.devices import device_memory
 from paraml.parallelism.remat import recomputing
 from paraml.parallelism.tensor_parallel import WholeVariable, plan_splits
 from paraml.planning.footprint import part_sizes
-from paraml.planning.observe import (
-    HostModel,
-    Observation,
-    build_on_host,
-    model_units,
-    observation_notes,
-    unit_costs,
-)
+from paraml.planning.observe import HostModel, StageHolding, build_on_host, model_units, observation_notes
 from paraml.planning.optimizers import optimizer_slots_per_param
 from paraml.planning.partition import LayerCost, PartitionPlan, make_plan
 from paraml.planning.plan import DeviceMesh, ParallelPlan
-from paraml.planning.schedules import Schedule
 from paraml.planning.sizes import format_bytes
 
-__all__ = ["StageCreator", "StageHolding", "place_model"]
+__all__ = ["StageCreator", "place_model"]
 
 #: A unit whose cost exceeds this share of a perfect 1/K split keeps the stages from balancing: describe() says so.
 UNBALANCED_SHARE = 1.0
-
-
-@dataclass(frozen=True)
-class StageHolding:
-    """What the stages of a pipeline hold at their peak, per unit and per stage, under a schedule (the figures the
-    balanced planner balances and ``plan.stages`` report).
-
-    Attributes:
-        rows: Rows of the largest micro-batch.
-        in_flight: Per stage, the most micro-batches whose activations it holds at once, read from the schedule's
-            timeline (:meth:`paraml.planning.schedules.Schedule.held`: GPipe all of them, 1F1B ``min(K, S - s)``).
-        costs: Per unit, its bytes for one micro-batch (with ``remat``: what it keeps when recomputed, and as
-            ``recompute_bytes`` its own activations, rebuilt for a moment in the backward pass).
-        output_bytes: One micro-batch's model outputs and the loss' buffers, held by the last stage: the outputs
-            and a buffer like them (the gradient of a cross-entropy or a squared error is the size of the logits).
-        batch_bytes: The whole batch, which the process holds besides the stages.
-    """
-
-    rows: int
-    in_flight: tuple[int, ...]
-    costs: list[LayerCost]
-    output_bytes: int
-    batch_bytes: int
-
-    @classmethod
-    def of(cls, observation: Observation, schedule: Schedule, batch_size: int, remat: bool = False) -> StageHolding:
-        """The holding of ``observation``'s units under ``schedule`` for a batch of ``batch_size`` rows."""
-        rows = schedule.micro_batch_rows(batch_size)
-        costs = unit_costs(observation, rows, remat=remat)
-        if remat and observation.remat_measured:
-            own = {u.name: u.activations.at(rows) for u in observation.units}
-            costs = [replace(c, recompute_bytes=own[c.name]) for c in costs]
-        # The loss reads the outputs and keeps a buffer of their size for its gradient (softmax minus the labels,
-        # the error of a squared loss) until the last stage's backward pass has read it.
-        outputs = 2 * observation.outputs.at(rows) if not observation.problem else 0
-        return cls(rows, tuple(schedule.held(batch_size)), costs, outputs, observation.batch.at(batch_size))
 
 
 class StageCreator:

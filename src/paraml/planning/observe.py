@@ -24,20 +24,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from paraml.checks import check_int
 from paraml.internals import tensor_list_element_dtype, while_body_graph
 from paraml.planning.partition import LayerCost
+from paraml.planning.schedules import Schedule
 from paraml.planning.sizes import dtype_size, nbytes
 
 __all__ = [
-    "PROBE_DIMS",
-    "PROBE_ROWS",
     "HostModel",
     "Observation",
+    "PROBE_DIMS",
+    "PROBE_ROWS",
     "RowBytes",
+    "StageHolding",
     "Unit",
     "build_on_host",
     "model_units",
@@ -903,3 +905,41 @@ def build_on_host(model_fn: Callable[[], Any]) -> HostModel:
     with tf.device("/device:CPU:0"), tf.variable_creator_scope(record):
         model = model_fn()
     return HostModel(model, created)
+
+
+@dataclass(frozen=True)
+class StageHolding:
+    """What the stages of a pipeline hold at their peak, per unit and per stage, under a schedule (the figures the
+    balanced planner balances and ``plan.stages`` report).
+
+    Attributes:
+        rows: Rows of the largest micro-batch.
+        in_flight: Per stage, the most micro-batches whose activations it holds at once, read from the schedule's
+            timeline (:meth:`paraml.planning.schedules.Schedule.held`: GPipe all of them, 1F1B ``min(K, S - s)``).
+        costs: Per unit, its bytes for one micro-batch (with ``remat``: what it keeps when recomputed, and as
+            ``recompute_bytes`` its own activations, rebuilt for a moment in the backward pass).
+        output_bytes: One micro-batch's model outputs and the loss' buffers, held by the last stage: the outputs
+            and a buffer like them (the gradient of a cross-entropy or a squared error is the size of the logits).
+        batch_bytes: The whole batch, which the process holds besides the stages.
+    """
+
+    rows: int
+    in_flight: tuple[int, ...]
+    costs: list[LayerCost]
+    output_bytes: int
+    batch_bytes: int
+
+    @classmethod
+    def of(cls, observation: Observation, schedule: Schedule, batch_size: int, remat: bool = False) -> StageHolding:
+        """The holding of ``observation``'s units under ``schedule`` for a batch of ``batch_size`` rows."""
+        rows = schedule.micro_batch_rows(batch_size)
+        costs = unit_costs(observation, rows, remat=remat)
+        if remat and observation.remat_measured:
+            own = {u.name: u.activations.at(rows) for u in observation.units}
+            costs = [replace(c, recompute_bytes=own[c.name]) for c in costs]
+        # The loss reads the outputs and keeps buffers for its gradient (softmax minus the labels, the error of a
+        # squared loss) until the last stage's backward pass has read them: traced with the step where it could be,
+        # else taken as one more buffer of the outputs' size.
+        loss = observation.loss.at(rows) if not observation.loss_problem else observation.outputs.at(rows)
+        outputs = observation.outputs.at(rows) + loss if not observation.problem else 0
+        return cls(rows, tuple(schedule.held(batch_size)), costs, outputs, observation.batch.at(batch_size))
