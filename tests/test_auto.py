@@ -129,7 +129,7 @@ def test_shard_optimizer_when_only_sharded_adam_state_fits_one_device():
     budget = (plain + sharded) // 2
     par = Parallel("auto", devices=2, device_memory=budget, batch_size=8)
     par.build(wide, optimizer="adam", loss="mse")
-    assert par.strategy == "mirrored" and par.backend.capabilities.shards_optimizer and not par.remat
+    assert par.strategy == "mirrored" and par.backend.capabilities.zero_stage == 1 and not par.remat
     assert "with shard_optimizer=True" in par.explain() and "optimizer state sharded" in par.explain()
 
 
@@ -239,3 +239,22 @@ def test_auto_picking_model_parallel_starts_and_ends_like_single():
     assert par.strategy == "model_parallel", par.explain()
     for got, want in zip(initial + par.model.get_weights(), reference_initial + reference.model.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_shard_parameters_when_only_sharded_parameters_fit_one_device():
+    from paraml import estimate_memory
+
+    def tall():  # eight equal units: a device holds its owner's share plus one unit's weights
+        return keras.Sequential([keras.Input((64,)), *[keras.layers.Dense(128) for _ in range(8)]])
+
+    both = estimate_memory(tall, batch_size=4, optimizer="adam", optimizer_shards=2, remat=True).total
+    owned = estimate_memory(tall, batch_size=4, optimizer="adam", optimizer_shards=2, zero_stage=3)
+    assert owned.total < both and "largest unit's read where it runs" in owned.note
+    par = Parallel("auto", devices=2, device_memory=(owned.total + both) // 2, batch_size=8)
+    par.build(tall, optimizer="adam", loss="mse")
+    assert par.strategy == "mirrored" and par.backend.capabilities.zero_stage == 3, par.explain()
+    assert "with shard_parameters=True" in par.explain() and "parameters, gradients and optimizer state sharded" in (
+        par.explain()
+    )
+    placed = par.memory_by_device()  # the estimate's parameters: the owner's share plus the largest unit's
+    assert max(b["parameters"] for b in placed.values()) <= owned.parameters

@@ -24,10 +24,15 @@ from conftest import NUM_DEVICES  # noqa: E402
 import paraml  # noqa: E402
 from paraml import internals  # noqa: E402
 from paraml.internals import (  # noqa: E402
+    ALL_REDUCE_GRADIENTS,
     DISTRIBUTED_UPDATE_STEP,
     SAVEABLE_METHODS,
     VARIABLE_VALUE_KEY,
+    WEIGHT_DECAY,
+    all_to_all,
     attention_projections,
+    autocast,
+    autocast_dtype,
     concat_with_masks,
     direct_sublayers,
     distributed_update_step,
@@ -261,6 +266,96 @@ def test_keras_calls_the_overridden_update_step_with_the_strategy(strategy):
     )
     for copy in variable.value.values:  # the gradients of 2 replicas summed: 1 - 0.1 * 2
         np.testing.assert_allclose(copy.numpy(), [0.8, 0.8], rtol=1e-6)
+
+
+def test_keras_all_reduces_the_gradients_in_one_method_before_the_update_step(strategy):
+    order = []
+
+    def all_reduce(self, grads_and_vars):
+        order.append("all-reduce")
+        return getattr(keras.optimizers.SGD, ALL_REDUCE_GRADIENTS)(self, grads_and_vars)
+
+    def update(self, distribution, grads_and_vars, learning_rate):
+        order.append("update")
+        return distributed_update_step(keras.optimizers.SGD)(self, distribution, grads_and_vars, learning_rate)
+
+    recorded = type(
+        "RecordedSGD", (keras.optimizers.SGD,), {ALL_REDUCE_GRADIENTS: all_reduce, DISTRIBUTED_UPDATE_STEP: update}
+    )
+    with strategy.scope():
+        variable = keras.Variable(np.ones((2,), "float32"))
+        optimizer = recorded(learning_rate=0.1)
+        optimizer.build([variable])
+
+    @tf.function
+    def step():
+        strategy.run(lambda: optimizer.apply_gradients([(tf.constant([1.0, 1.0]), variable)]))
+
+    step()
+    assert order == ["all-reduce"] * 2 + ["update"], changed(  # each replica all-reduces, then one update
+        f"apply_gradients under a strategy no longer calls {ALL_REDUCE_GRADIENTS} then {DISTRIBUTED_UPDATE_STEP} "
+        f"(called: {order})",
+        "ALL_REDUCE_GRADIENTS",
+    )
+
+
+def test_keras_decays_weights_in_one_method_with_a_predicate():
+    apply, use = WEIGHT_DECAY
+    optimizer = keras.optimizers.AdamW(weight_decay=0.1)
+    variable = keras.Variable(np.ones((2,), "float32"), name="kernel")
+    optimizer.build([variable])
+    assert list(inspect.signature(getattr(keras.optimizers.AdamW, apply)).parameters) == ["self", "variables"], changed(
+        f"AdamW.{apply} no longer takes (variables)", "WEIGHT_DECAY"
+    )
+    assert getattr(optimizer, use)(variable.value) is True, changed(
+        f"AdamW.{use}(variable) is not a predicate", "WEIGHT_DECAY"
+    )
+    optimizer.exclude_from_weight_decay(var_names=["kernel"])
+    assert getattr(optimizer, use)(variable.value) is False, changed(
+        f"AdamW.{use} does not read exclude_from_weight_decay", "WEIGHT_DECAY"
+    )
+
+
+def test_an_all_to_all_on_the_strategys_launchers(strategy):
+    @tf.function
+    def exchange():
+        def sent(context):  # replica r sends [10 r, 10 r + 1]: row j to replica j
+            r = tf.cast(context.replica_id_in_sync_group, tf.float32)
+            return tf.stack([[10 * r], [10 * r + 1]])
+
+        values = strategy.experimental_distribute_values_from_function(sent)
+        return [all_to_all(strategy, i, v) for i, v in enumerate(strategy.experimental_local_results(values))]
+
+    got = [g.numpy().ravel().tolist() for g in exchange()]
+    assert got == [[0.0, 10.0], [1.0, 11.0]], changed(
+        f"CollectiveAllToAllV2 on the strategy's launchers exchanged {got}", "all_to_all"
+    )
+
+
+def test_the_autocast_scope_a_mixed_precision_layer_reads_its_variables_in():
+    seen = []
+
+    class Probe(keras.layers.Layer):
+        def build(self, input_shape):
+            self.w = self.add_weight(shape=(2,), initializer="ones")
+
+        def call(self, x):
+            seen.append(autocast_dtype())
+            with autocast(None):  # nothing changes
+                inner = self.w.value.dtype
+            return x * self.w, inner
+
+    probe = Probe(dtype="mixed_float16")
+    probe(tf.ones((1, 2)))
+    assert seen == ["float16"] and autocast_dtype() is None, changed(
+        f"Layer.__call__ of a mixed_float16 layer entered an autocast scope of {seen}", "autocast_dtype"
+    )
+    variable = keras.Variable(np.ones((2,), "float32"))
+    with autocast("float16"):
+        assert keras.ops.convert_to_tensor(variable).dtype == "float16", changed(
+            "AutocastScope('float16') no longer casts a float32 variable where it is read", "autocast"
+        )
+    assert keras.ops.convert_to_tensor(variable).dtype == "float32"
 
 
 def test_an_optimizers_own_list_restores_variables_created_later(tmp_path):

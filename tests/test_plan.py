@@ -54,7 +54,7 @@ def test_data_parallel_plans_once_with_sharded_optimizer_state(plans_made: list[
     par.build(block_mlp, optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     assert len(plans_made) == 1
     plan = par.plan
-    assert plan.layout == Layout(data=2) and plan.shard_optimizer and not plan.remat and plan.partition is None
+    assert plan.layout == Layout(data=2) and plan.zero_stage == 1 and not plan.remat and plan.partition is None
     assert plan.stages == () and plan.splits is None
     assert "ZeRO-1" in plan.describe()
 

@@ -69,6 +69,20 @@ def test_remat_on_other_backends_equals_single_without_it(strategy, devices, opt
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-6)
 
 
+def test_remat_under_mixed_precision_recomputes_in_the_forward_pass_dtype():
+    """The backward pass runs a unit's call again outside Keras' autocast scope: it must read float16 weights as the
+    forward pass did (before, its MatMul got float32 weights and float16 inputs and failed to trace)."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        found = [train("single", None, plain_mlp, remat) for remat in (False, True)]
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    (_, plain_loss, plain), (_, loss, weights) = found
+    np.testing.assert_allclose(loss, plain_loss, rtol=1e-3)
+    for got, want in zip(weights, plain):
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
+
+
 @pytest.mark.slow
 def test_remat_keeps_a_keras_hub_transformer_with_dropout_exact():
     def gpt2():

@@ -106,8 +106,9 @@ def test_owners_balance_bytes_and_bad_input_is_refused():
             Parallel(strategy, shard_optimizer=True)
 
 
+@pytest.mark.parametrize("option", ["shard_optimizer", "shard_parameters"])
 @pytest.mark.slow
-def test_a_loss_scale_optimizer_around_a_sharded_one_trains_alike():
+def test_a_loss_scale_optimizer_around_a_sharded_one_trains_alike(option):
     def make():
         return keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(3)])
 
@@ -117,7 +118,7 @@ def test_a_loss_scale_optimizer_around_a_sharded_one_trains_alike():
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         for shard in (False, True):
-            par = Parallel("mirrored", devices=2, seed=1, shard_optimizer=shard)
+            par = Parallel("mirrored", devices=2, seed=1, **{option: shard})
             par.build(make, optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
             assert isinstance(par.model.optimizer, keras.optimizers.LossScaleOptimizer)
             par.fit(x, y, batch_size=32, epochs=2, verbose=0)

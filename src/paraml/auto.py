@@ -6,8 +6,9 @@ The rule, in order:
    -> ``multi_worker`` (decided at once: that strategy must exist at program start);
 2. more than one device, and the estimated training memory fits on one device -> ``mirrored``;
 3. more than one device, and the model fits on one device with less memory per device for the same weights
-   (:data:`SAVINGS`, in order: the optimizer state sharded over the replicas, the activations recomputed, both) ->
-   ``mirrored`` with the first that fits (``shard_optimizer=True``, ``remat=True``);
+   (:data:`SAVINGS`, in order: the optimizer state sharded over the replicas, the activations recomputed, both, the
+   parameters sharded as well) -> ``mirrored`` with the first that fits (``shard_optimizer=True``, ``remat=True``,
+   ``shard_parameters=True``);
 4. more than one device (the model does not fit on one) -> ``model_parallel`` with a balanced partition, over the
    fewest stages whose largest fits a device, the other devices running copies of that pipeline (``data_parallel``,
    :func:`fit_pipeline`); when one unit alone does not fit a device, its layers split over the fewest devices
@@ -87,6 +88,7 @@ SAVINGS: tuple[dict[str, bool], ...] = (
     {"shard_optimizer": True},
     {"remat": True},
     {"remat": True, "shard_optimizer": True},
+    {"shard_parameters": True},  # ZeRO-3: the parameters too, each unit recomputed
 )
 
 
@@ -248,6 +250,8 @@ _WHY = {
     ("shard_optimizer",): "with its optimizer state sharded over the replicas",
     ("remat",): "with its activations recomputed",
     ("remat", "shard_optimizer"): "with its activations recomputed and its optimizer state sharded",
+    ("shard_parameters",): "with its parameters, gradients and optimizer state sharded over the replicas (its "
+    "activations recomputed)",
 }
 
 
@@ -429,13 +433,20 @@ class AutoChoice:
                 as_is = observed
             if estimate is not None and memory is not None and estimate.total > memory:
                 for settings in SAVINGS:
-                    if (settings.get("shard_optimizer") and len(devices) < 2) or (remat and "remat" not in settings):
+                    sharded = settings.get("shard_optimizer") or settings.get("shard_parameters")
+                    with_remat = remat or settings.get("remat", False) or settings.get("shard_parameters", False)
+                    if (sharded and len(devices) < 2) or (remat and settings and not with_remat):
                         continue  # sharding needs replicas; the user's remat stays on
-                    with_remat = remat or settings.get("remat", False)
-                    shards = len(devices) if settings.get("shard_optimizer") else 1
+                    shards = len(devices) if sharded else 1
+                    stage = 3 if settings.get("shard_parameters") else 1
                     observed = host.observe(sample=sample, recompute=recomputing if with_remat else None)
                     saved = estimate_memory(
-                        host.model, remat=with_remat, optimizer_shards=shards, observation=observed, **measure
+                        host.model,
+                        remat=with_remat,
+                        optimizer_shards=shards,
+                        zero_stage=stage,
+                        observation=observed,
+                        **measure,
                     )
                     savings.append((settings, saved))
         self.decision = decide(
@@ -466,8 +477,9 @@ class AutoChoice:
             passed["data_parallel"] = self.decision.copies
         if self.decision.tensor > 1:
             passed["tensor_parallel"] = self.decision.tensor
-        if self.decision.shard_optimizer:
-            passed["shard_optimizer"] = True
+        for sharded in ("shard_optimizer", "shard_parameters"):
+            if self.decision.settings.get(sharded):
+                passed[sharded] = True
         self.backend = chosen(self.devices if len(devices) > 1 else devices, **passed)
         return self.backend, host
 

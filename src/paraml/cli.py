@@ -106,6 +106,7 @@ def _estimate(ns: argparse.Namespace) -> int:
             optimizer=ns.optimizer,
             remat=ns.remat,
             optimizer_shards=ns.optimizer_shards,
+            zero_stage=ns.zero_stage,
             tensor_parallel=ns.tensor_parallel,
             sample=sample,
         )
@@ -162,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--remat", action="store_true", help="the estimate with activations recomputed (remat=True)")
     estimate.add_argument(
         "--optimizer-shards", type=int, default=1, metavar="N", help="optimizer state sharded over N devices"
+    )
+    estimate.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=(1, 2, 3),
+        default=1,
+        help="with --optimizer-shards: 2 also the gradients, 3 also the parameters (shard_parameters)",
     )
     estimate.add_argument(
         "--tensor-parallel", type=int, default=1, metavar="T", help="layers split over T devices (per device)"

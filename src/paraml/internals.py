@@ -21,10 +21,15 @@ if TYPE_CHECKING:
     import tensorflow as tf
 
 __all__ = [
+    "ALL_REDUCE_GRADIENTS",
     "DISTRIBUTED_UPDATE_STEP",
+    "WEIGHT_DECAY",
     "SAVEABLE_METHODS",
     "VARIABLE_VALUE_KEY",
+    "all_to_all",
     "attention_projections",
+    "autocast",
+    "autocast_dtype",
     "concat_with_masks",
     "direct_sublayers",
     "distributed_update_step",
@@ -139,6 +144,18 @@ def distributed_update_step(optimizer_class: type) -> Callable[..., Any]:
     return getattr(optimizer_class, DISTRIBUTED_UPDATE_STEP)
 
 
+#: The method of Keras' TensorFlow optimizer that all-reduces the gradients in replica context before
+#: :data:`DISTRIBUTED_UPDATE_STEP` receives them: ``(self, grads_and_vars) -> grads_and_vars``. A subclass overrides it
+#: under this name to leave a gradient unreduced (ZeRO-2 reduces it to its owner only); Keras has no public hook there.
+ALL_REDUCE_GRADIENTS = "_all_reduce_sum_gradients"
+
+#: The method of Keras' TensorFlow optimizer that decays the weights (AdamW's ``weight_decay``) through the
+#: strategy's per-copy update, before the gradient step: ``(self, variables)``; and the predicate that says whether a
+#: variable is decayed, ``_use_weight_decay(variable)`` (``exclude_from_weight_decay``). The strategy's update takes
+#: distributed variables only, so a subclass decays a variable that lives on one device itself.
+WEIGHT_DECAY = ("_apply_weight_decay", "_use_weight_decay")
+
+
 def optimizer_strategy(optimizer: Any) -> tf.distribute.Strategy:
     """The strategy a Keras optimizer was created under (it runs its updates through it).
 
@@ -157,6 +174,36 @@ def optimizer_variable_list(optimizer: Any) -> Any:
     later (at its first update); given the copy, it sees only the variables that exist at restore time.
     """
     return getattr(optimizer, "_variables", None)
+
+
+# -- TensorFlow collectives -------------------------------------------------------------------------------------------
+def all_to_all(strategy: tf.distribute.Strategy, replica: int, tensor: tf.Tensor) -> tf.Tensor:
+    """Row ``j`` of ``tensor`` (shape ``[replicas, ...]``) sent to the strategy's replica ``j`` (global index); the
+    result has one row per replica, row ``j`` what replica ``j`` sent to this one. Called in a traced function, in
+    cross-replica context, once for each of this worker's replicas (``replica`` is the local index), in the same order
+    on every worker.
+
+    TensorFlow exports no all-to-all through its strategies (its reduce-scatter has no CPU kernel); this issues
+    ``CollectiveAllToAllV2`` with the group and instance keys and the ordering token of the strategy's own collective
+    launcher for that replica (``strategy.extended._cross_device_ops._launchers[replica]``, a
+    ``CollectiveReplicaLauncher``), so that it is ordered with the strategy's all-reduces and keyed like them.
+    """
+    import tensorflow as tf
+    from tensorflow.python.ops import collective_ops
+
+    launcher = strategy.extended._cross_device_ops._launchers[replica]
+    options = launcher._options
+    instance_key = launcher._next_instance_key()
+    with tf.device(launcher._device):
+        return collective_ops.all_to_all_v2(
+            tensor,
+            launcher._group_size,
+            launcher._group_key,
+            instance_key,
+            communication_hint=options.implementation.value,
+            timeout=options.timeout_seconds,
+            ordering_token=launcher._get_ordering_token(),
+        )
 
 
 # -- TensorFlow checkpoints: the saveable protocol ---------------------------------------------------------------------
@@ -229,6 +276,30 @@ def attention_projections(layer: Any) -> dict[str, Any] | None:
     roles = ["query", "key", "value", *(["gate"] if uses_gate(layer) else []), "output"]
     found = {role: getattr(layer, f"_{role}_dense", None) for role in roles}
     return None if any(dense is None for dense in found.values()) else found
+
+
+# -- Keras mixed precision ---------------------------------------------------------------------------------------------
+def autocast_dtype() -> str | None:
+    """The dtype Keras casts float variables to where they are read now (``Layer.__call__`` of a ``mixed_float16``
+    layer enters such a scope around ``call``), or None outside one.
+
+    Reads ``keras.src.backend.common.variables.get_autocast_scope()``: Keras exports no way to ask; code that runs a
+    layer's ``call`` again later (a recomputed unit's backward pass) must cast as the first run did.
+    """
+    from keras.src.backend.common.variables import get_autocast_scope
+
+    scope = get_autocast_scope()
+    return None if scope is None else scope.dtype
+
+
+def autocast(dtype: str | None) -> AbstractContextManager[Any]:
+    """A new scope in which Keras casts float variables to ``dtype`` where they are read (``AutocastScope``, not
+    exported by Keras); nothing when ``dtype`` is None."""
+    from contextlib import nullcontext
+
+    from keras.src.backend.common.variables import AutocastScope
+
+    return nullcontext() if dtype is None else AutocastScope(dtype)
 
 
 # -- Keras' attribute tracking ----------------------------------------------------------------------------------------

@@ -211,6 +211,7 @@ def estimate_memory(
     remat: bool = False,
     sample: Any = None,
     optimizer_shards: int = 1,
+    zero_stage: int = 1,
     tensor_parallel: int = 1,
     observation: Observation | None = None,
     loss: Any = None,
@@ -232,6 +233,12 @@ def estimate_memory(
             uses: give one when the model leaves its sequence length or image size unknown.
         optimizer_shards: The optimizer slots split over this many devices as ``shard_optimizer=True`` splits them
             (each variable's slots on one owner, owners balanced by bytes): the slots of the device holding most.
+        zero_stage: With ``optimizer_shards`` > 1, what else is sharded (:mod:`paraml.parallelism.zero`): 1 the slots
+            only (``shard_optimizer``); 2 also the reduced gradients (``shard_gradients``), counted as 1 (a replica
+            computes its whole gradient before it is reduced, and the all-reduce's received copy that ZeRO-2 removes
+            is not counted at any stage); 3 also the parameters (``shard_parameters``): the device holding most keeps
+            its owner's share of the trainable variables plus the largest unit's, read where that unit runs, and
+            the units recompute (as with ``remat=True``).
         tensor_parallel: The model's Dense, attention and Embedding layers split over this many devices as
             ``model_parallel``'s ``tensor_parallel`` splits them
             (:func:`paraml.parallelism.tensor_parallel.plan_splits`): the
@@ -265,6 +272,13 @@ def estimate_memory(
     gradients = variable_bytes(trainable)
     notes: list[str] = []
     slots = _slot_bytes(optimizer, trainable, exact_slots, check_int("optimizer_shards", optimizer_shards), notes)
+    if zero_stage not in (1, 2, 3):
+        raise ValueError(
+            f"zero_stage must be 1, 2 or 3 (what shard_optimizer, shard_gradients, shard_parameters "
+            f"shard), got {zero_stage!r}"
+        )
+    owned_parameters = zero_stage == 3 and optimizer_shards > 1
+    remat = remat or owned_parameters  # ZeRO-3 reads each unit's weights again in its recomputed backward pass
     if check_int("tensor_parallel", tensor_parallel) > 1:
         from paraml.parallelism.tensor_parallel import plan_splits
 
@@ -279,6 +293,8 @@ def estimate_memory(
         )
     if not isinstance(remat, bool):
         raise ValueError(f"remat must be True or False, got {remat!r}")
+    if owned_parameters and tensor_parallel > 1:
+        raise ValueError("zero_stage=3 (shard_parameters) and tensor_parallel: choose one (no backend does both)")
     if observation is None:
         from paraml.parallelism.remat import recomputing  # TensorFlow: only now
 
@@ -287,6 +303,14 @@ def estimate_memory(
         )
     costs = unit_costs(observation, batch_size, remat=remat)
     notes.extend(observation_notes(observation))
+    if owned_parameters:
+        share = largest_owner_share([variable_bytes([v]) for v in trainable], optimizer_shards)
+        in_flight = max((c.param_bytes for c in costs), default=0)
+        parameters += round(gradients * share) + in_flight - gradients
+        notes.append(
+            f"parameters of the device holding most of {optimizer_shards} owners, plus the largest unit's read where "
+            "it runs; gradients whole (a replica computes all of its own before they are reduced)"
+        )
     if remat and observation.remat_measured:
         notes.append("with remat, activations count what they exceed the gradients by (freed as those are made)")
     activations = (

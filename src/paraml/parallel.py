@@ -48,6 +48,10 @@ COMMON_OPTIONS = ("seed", "steps_per_execution", "jit_compile", "remat")
 _NOT_HERE = {
     "shard_optimizer": " (only 'mirrored' and 'multi_worker' shard optimizer state: they keep a copy per device, "
     "which 'single', 'central_storage' and 'model_parallel' do not)",
+    "shard_gradients": " (only 'mirrored' and 'multi_worker' shard gradients: they reduce a copy per device, "
+    "which 'single', 'central_storage' and 'model_parallel' do not)",
+    "shard_parameters": " (only 'mirrored' shards parameters: it keeps a copy per device, which 'single', "
+    "'central_storage' and 'model_parallel' do not; 'model_parallel' splits a model too large for one device)",
     "schedule": " (a pipeline schedule: only 'model_parallel' pipelines)",
     "data_parallel": " (copies of a pipeline: only 'model_parallel' pipelines; the data-parallel strategies make "
     "every device a copy already)",

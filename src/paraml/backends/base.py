@@ -116,7 +116,8 @@ class Capabilities:
         grouped_convolution_problem: Why a convolution with ``groups > 1`` (a grouped or depthwise one, as in
             ConvNeXt) cannot run here, or None.
         own_train_step_problem: Why a model's own ``train_step`` cannot run here (as configured), or None.
-        shards_optimizer: The optimizer's slots live on one owner device per variable (:mod:`paraml.parallelism.zero`).
+        zero_stage: What of each trainable variable lives on one owner replica only (:mod:`paraml.parallelism.zero`):
+            0 nothing, 1 its optimizer slots, 2 also its reduced gradient, 3 also the variable.
         colocates_gradients: A replica's step spans several devices, so each gradient op must run on its forward
             op's device (the step takes ``tf.gradients``, which places them there, rather than a tape's gradient).
     """
@@ -127,7 +128,7 @@ class Capabilities:
     loss_scaling_problem: str | None = None
     grouped_convolution_problem: str | None = None
     own_train_step_problem: str | None = None
-    shards_optimizer: bool = False
+    zero_stage: int = 0
     colocates_gradients: bool = False
 
 
@@ -183,8 +184,9 @@ class Backend(abc.ABC):
         plan = ParallelPlan(
             self.topology.layout,
             DeviceMesh(tuple(((device,),) for device in self.topology.devices)),
-            remat=remat,
-            shard_optimizer=self.capabilities.shards_optimizer,
+            # ZeRO-3 reads each variable again in its unit's backward pass, recomputing it (module zero)
+            remat=remat or self.capabilities.zero_stage == 3,
+            zero_stage=self.capabilities.zero_stage,
         )
         self.apply_plan(model, plan)
         return model

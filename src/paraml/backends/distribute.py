@@ -22,6 +22,7 @@ from paraml.cluster.config import connect_timeout, global_worker_index, wait_for
 from paraml.cluster.detect import setup_tf_config
 from paraml.devices import canonical_device, resolve_devices
 from paraml.internals import shift_collective_keys
+from paraml.parallelism.zero import owned_variables
 
 __all__ = [
     "CentralStorageBackend",
@@ -29,9 +30,11 @@ __all__ = [
     "MultiWorkerBackend",
     "SingleBackend",
     "StrategyBackend",
+    "ZERO_OPTIONS",
     "mirrored_strategy",
     "multi_worker_strategy",
     "workers",
+    "zero_stage",
 ]
 
 
@@ -39,12 +42,10 @@ class StrategyBackend(Backend):
     """A backend that is a ``tf.distribute.Strategy``; subclasses only say how to build the strategy."""
 
     def __init__(self, devices: DeviceSpec = None, **options: Any) -> None:
-        shard = options.get("shard_optimizer", False)
-        if not isinstance(shard, bool):
-            raise ValueError(f"shard_optimizer must be True or False, got {shard!r}")
+        stage = zero_stage(options)
         super().__init__(devices, **options)
-        if shard:  # an option only the data-parallel backends that copy the state per replica name
-            self.capabilities = dataclasses.replace(self.capabilities, shards_optimizer=True)
+        if stage:  # options only the data-parallel backends that copy the state per replica name
+            self.capabilities = dataclasses.replace(self.capabilities, zero_stage=stage)
         self.strategy: tf.distribute.Strategy = self.make_strategy(devices)
         self.topology = self.make_topology()
 
@@ -57,8 +58,14 @@ class StrategyBackend(Backend):
         devices = tuple(canonical_device(d) for d in self.strategy.extended.worker_devices)
         return Topology(devices, Layout(data=int(self.strategy.num_replicas_in_sync)))
 
-    def scope(self) -> AbstractContextManager[Any]:
-        return self.strategy.scope()
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Any]:
+        with self.strategy.scope() as strategy:
+            if self.capabilities.zero_stage < 3:
+                yield strategy
+                return
+            with owned_variables(self.topology.devices):  # ZeRO-3: each trainable variable once, on its owner
+                yield strategy
 
     def distribute(self, dataset: tf.data.Dataset) -> Iterable[Any]:
         return self.strategy.experimental_distribute_dataset(dataset)
@@ -79,6 +86,32 @@ class StrategyBackend(Backend):
         # One row per replica, worker after worker: keep each worker's first.
         per_worker = int(self.strategy.num_replicas_in_sync) // self.topology.num_workers
         return self.strategy.gather(per_replica, axis=0)[::per_worker]
+
+
+#: The options that shard a data-parallel model's state per replica, by the ZeRO stage each turns on.
+ZERO_OPTIONS = {"shard_optimizer": 1, "shard_gradients": 2, "shard_parameters": 3}
+
+
+def zero_stage(options: Mapping[str, Any]) -> int:
+    """The ZeRO stage ``options`` ask for (0: none): the highest of :data:`ZERO_OPTIONS` set True (a stage shards what
+    the ones below it shard).
+
+    Raises:
+        ValueError: for an option that is not True or False, or one set False below a higher one set True.
+    """
+    given = {name: options[name] for name in ZERO_OPTIONS if name in options}
+    for name, value in given.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+    stage = max((ZERO_OPTIONS[name] for name, value in given.items() if value), default=0)
+    for name, value in given.items():
+        if value is False and ZERO_OPTIONS[name] < stage:
+            higher = next(n for n, s in ZERO_OPTIONS.items() if s == stage)
+            raise ValueError(
+                f"{higher}=True shards the optimizer state and what the stages below it shard; {name}=False "
+                f"contradicts it: leave {name} out"
+            )
+    return stage
 
 
 @register("single")
@@ -113,15 +146,16 @@ class MirroredBackend(StrategyBackend):
 
     Option ``shard_optimizer=True`` keeps each variable's optimizer slots on one device only, which runs its update
     and broadcasts the result (ZeRO stage 1, :mod:`paraml.parallelism.zero`): the same weights, 1/N of the optimizer
-    state per
-    device.
+    state per device. ``shard_gradients=True`` also reduces each gradient to that device only (ZeRO-2);
+    ``shard_parameters=True`` also keeps the variable there only, read where it is used, its unit recomputed in the
+    backward pass (ZeRO-3): 1/N of the parameters per device.
 
     >>> from paraml import Parallel
     >>> Parallel("mirrored", devices=2).num_replicas
     2
     """
 
-    option_names = ("shard_optimizer",)
+    option_names = ("shard_optimizer", "shard_gradients", "shard_parameters")
 
     def make_strategy(self, devices: DeviceSpec) -> tf.distribute.Strategy:
         return mirrored_strategy(resolve_devices(devices))
@@ -234,7 +268,7 @@ class MultiWorkerBackend(StrategyBackend):
     ``communication`` is ``"auto"``, ``"ring"`` or ``"nccl"``. Each worker uses its local devices (every GPU, else
     the CPU). Create it at program start: TensorFlow must not have initialised its devices yet. Option
     ``shard_optimizer=True`` keeps each variable's optimizer slots on one replica of one worker
-    (:mod:`paraml.parallelism.zero`).
+    (:mod:`paraml.parallelism.zero`); ``shard_gradients=True`` also reduces each gradient to that replica only.
 
     Each worker::
 
@@ -245,9 +279,14 @@ class MultiWorkerBackend(StrategyBackend):
             par.model.save_weights("model.weights.h5")
     """
 
-    option_names = ("cluster_resolver", "communication", "shard_optimizer")
+    option_names = ("cluster_resolver", "communication", "shard_optimizer", "shard_gradients", "shard_parameters")
 
     def make_strategy(self, devices: DeviceSpec) -> tf.distribute.Strategy:
+        if self.options.get("shard_parameters"):
+            raise ValueError(
+                "shard_parameters=True runs under 'mirrored' (one machine: a worker cannot read another's variable) "
+                "in this version; under 'multi_worker' use shard_gradients=True (ZeRO-2) or shard_optimizer=True"
+            )
         if devices is not None:
             raise ValueError(
                 f"strategy 'multi_worker' uses each worker's local devices, got devices={devices!r}: leave devices "

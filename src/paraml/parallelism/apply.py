@@ -4,14 +4,15 @@
 order (each later one wraps the earlier ones, so the order is the meaning):
 
 0. **Variable placement** happened before, while ``model_fn`` created the variables: the backend's variable creator
-   put each on its stage's devices (a split weight as parts on the stage's tensor shards). Nothing here moves them.
+   put each on its stage's devices (a split weight as parts on the stage's tensor shards; under ZeRO-3 each trainable
+   variable once, on its owner replica). Nothing here moves them.
 1. **Tensor splits**: each split layer's ``call`` computes on its parts, on its stage's tensor-shard devices. First,
    because it replaces the layer's own computation.
 2. **Stage placement**: each unit's ``call`` runs under its stage's device (and, under 1F1B, after the backward pass
    the schedule names). It wraps 1, so a split layer's whole-tensor ops run on its stage too.
 3. **Recompute** (``remat``): each unit's ``call`` under ``tf.recompute_grad``. It wraps 2, so the recompute runs on
    the unit's stage.
-4. At compile, through the returned :class:`AppliedPlan`: **sharded optimizer state** (ZeRO-1) and the slots of a
+4. At compile, through the returned :class:`AppliedPlan`: **sharded model state** (ZeRO-1 to 3) and the slots of a
    split weight's parts; the **cross-entropy of split logits** computed on the slices.
 
 The returned :class:`AppliedPlan` is what the loop reads through the backend (``backend.techniques``): the variables
@@ -105,7 +106,7 @@ class AppliedPlan:
         self.plan = plan
         self.split = split
         self.recomputed: list[str] = list(recomputed or ())
-        self.sharded = zero.ShardedSlots()  # the sharded optimizer's slots, where each lives (ZeRO-1)
+        self.sharded = zero.ShardedSlots()  # the sharded optimizer's slots, where each lives (ZeRO)
 
     def trained_variables(self, model: keras.Model) -> list[Any]:
         """``model.trainable_variables``, a split weight replaced by its parts (what the gradient is taken for)."""
@@ -114,14 +115,16 @@ class AppliedPlan:
         return self.split.weights.trained_variables(model)
 
     def prepare_optimizer(self, optimizer: Any, model: keras.Model, topology: Any) -> Any:
-        """``optimizer`` with its slots on owner replicas when the plan shards optimizer state (ZeRO-1)."""
-        if not self.plan.shard_optimizer:
+        """``optimizer`` with its slots (and, from ZeRO-2 on, its reduced gradients) on owner replicas when the plan
+        shards the model's state (ZeRO)."""
+        if not self.plan.zero_stage:
             return optimizer
         return zero.sharded_optimizer(
             optimizer,
             model.trainable_variables,
             topology.devices,
             self.sharded,
+            stage=self.plan.zero_stage,
             num_workers=topology.num_workers,
             worker_index=topology.worker_index,
         )

@@ -24,6 +24,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from paraml.internals import autocast, autocast_dtype
 from paraml.planning.observe import model_units, nested_layers
 
 __all__ = ["recompute_units", "recomputed_units", "recomputing"]
@@ -96,6 +97,9 @@ def _recomputed(layer: keras.layers.Layer, original: Callable[..., Any]) -> Call
         if not positions:  # a symbolic call (Keras' shape inference) or no tensor input: nothing to keep
             return original(*args, **kwargs)
         state = [v for v in layer.variables if not v.trainable]  # seed states, moving statistics
+        # the backward pass runs `original` again outside Layer.__call__: it must read the variables in the dtype the
+        # forward pass did (mixed precision)
+        dtype = autocast_dtype()
         saved = [tf.identity(v.value) for v in state]
         outputs: dict[str, Any] = {}
 
@@ -106,7 +110,8 @@ def _recomputed(layer: keras.layers.Layer, original: Callable[..., Any]) -> Call
             for position, tensor in zip(positions, tensors):
                 filled[position] = tensor
             call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), filled)
-            result = original(*call_args, **call_kwargs)
+            with autocast(dtype):
+                result = original(*call_args, **call_kwargs)
             flat = tf.nest.flatten(result)
             outputs["structure"], outputs["flat"] = result, flat
             return [t for t in flat if isinstance(t, tf.Tensor)]

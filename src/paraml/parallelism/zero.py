@@ -1,36 +1,54 @@
-"""Optimizer state sharded over the replicas (ZeRO stage 1): ``shard_optimizer=True`` under ``mirrored`` and
-``multi_worker``.
+"""Model state sharded over the replicas (ZeRO stages 1 to 3): ``shard_optimizer=True``, ``shard_gradients=True``
+and ``shard_parameters=True`` under ``mirrored`` (the first two under ``multi_worker`` as well).
 
-Under data parallelism every device holds a copy of every variable and of every optimizer slot (Adam's two moments:
-8 of the 16 bytes per fp32 parameter). Here each trainable variable gets one **owner** replica (owners balanced by
-bytes, largest variables first, :func:`paraml.planning.footprint.owners`; the replicas of every worker, worker after
-worker), its slots live only there, and only the owner runs the optimizer's update for it. The new values then reach
-every replica: on one machine an assignment to the mirrored variable (a broadcast); across workers one all-gather of
-the values each replica updated. Gradients are all-reduced as before, so one machine communicates as plain data
-parallelism does, and several workers 1.5 times as much (an all-reduce and an all-gather).
+Under data parallelism every device holds a copy of every variable, of every gradient and of every optimizer slot
+(Adam's two moments: 8 of the 16 bytes per fp32 parameter). Here each trainable variable gets one **owner** replica
+(owners balanced by bytes, largest variables first, :func:`paraml.planning.footprint.owners`; the replicas of every
+worker, worker after worker), and each stage keeps one more thing on the owner only:
 
-The optimizer is the user's Keras optimizer class, subclassed at run time (:func:`sharded_optimizer`) in two places
-only: where a slot is created (on its owner, as a plain variable; on another worker, as an empty placeholder that
-keeps the slots' positions) and where Keras' TensorFlow optimizer hands each variable to the strategy for its update.
+1. **optimizer state** (``shard_optimizer``): the variable's slots live only on its owner, and only the owner runs
+   the optimizer's update for it. The new values then reach every replica: on one machine an assignment to the
+   mirrored variable (a broadcast); across workers one all-gather of the values each replica updated. Gradients are
+   all-reduced as before: with the broadcast or all-gather, 1.5 times plain data parallelism's traffic.
+2. **gradients** (``shard_gradients``): each gradient is reduced to its owner only, by an all-to-all (TensorFlow's
+   reduce-scatter has no CPU kernel; :func:`paraml.internals.all_to_all`): each replica sends each owner its share,
+   the owner sums what it receives, so no replica receives the sums of the others' gradients. Rounds of one variable
+   per owner bound what is in flight. A sparse gradient (an Embedding's ``IndexedSlices``, the rows a batch touched)
+   is gathered as before. Traffic: the all-to-all sends (N-1)/N of the gradients, the all-gather as much again.
+3. **parameters** (``shard_parameters``, one machine): the variable itself lives only on its owner (created there by
+   :func:`owned_variables`), each replica reads it where it computes with it, and the units recompute in their
+   backward pass (``remat``) so that a replica's copy lives only while its unit runs, in the forward and again in
+   the backward pass. The owner's update is the only copy: nothing is broadcast. (DeepSpeed frees a layer's gathered
+   weights after its forward pass without recomputing; a TensorFlow gradient holds the weights its layer read.)
+
+The optimizer is the user's Keras optimizer class, subclassed at run time (:func:`sharded_optimizer`) where a slot is
+created (on its owner, as a plain variable; on another worker, as an empty placeholder that keeps the slots'
+positions), where Keras' TensorFlow optimizer all-reduces the gradients (stage 2 and 3 leave the dense ones to the
+owners), where it hands each variable to the strategy for its update, and (stage 3) where AdamW decays the weights.
 Everything else is Keras' own code: the update rule (Adam, AdamW's weight decay, momentum, Nesterov...), the
-learning-rate schedule, clipping, a ``LossScaleOptimizer`` around it, sparse (``IndexedSlices``) gradients. So the
-weights equal unsharded training.
+learning-rate schedule, clipping, a ``LossScaleOptimizer`` around it, sparse gradients. So the weights equal
+unsharded training.
 
-Checkpoints hold every slot whole, by position, as for any optimizer: :func:`whole_state` gathers the other workers'
-slots for a save (into every worker's host memory, for the save's duration) and :func:`restorable_state` leaves them
-out of a restore, so a sharded run restores on any backend, device count or sharding, and the other way round.
+Checkpoints hold every slot and variable whole, by position, as for any optimizer: :func:`whole_state` gathers the
+other workers' slots for a save (into every worker's host memory, for the save's duration) and
+:func:`restorable_state` leaves them out of a restore, so a sharded run restores on any backend, device count or
+sharding, and the other way round.
 
 Importing this module is cheap; TensorFlow is imported when an optimizer is sharded.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from paraml.internals import (
+    ALL_REDUCE_GRADIENTS,
     DISTRIBUTED_UPDATE_STEP,
+    WEIGHT_DECAY,
+    all_to_all,
     distributed_update_step,
     has_distributed_update_step,
     optimizer_strategy,
@@ -41,7 +59,7 @@ from paraml.planning.footprint import owners
 if TYPE_CHECKING:  # pragma: no cover
     import keras
 
-__all__ = ["ShardedSlots", "restorable_state", "sharded_optimizer", "whole_state"]
+__all__ = ["ShardedSlots", "owned_variables", "restorable_state", "sharded_optimizer", "whole_state"]
 
 
 @dataclass(frozen=True)
@@ -126,39 +144,152 @@ def _all_gather(
     return whole
 
 
+@contextmanager
+def owned_variables(devices: Sequence[str]) -> Iterator[None]:
+    """While the block runs (inside the strategy's scope), each trainable variable created is one plain variable on
+    the least loaded of ``devices`` by bytes so far (ZeRO-3: a device holds at most its share plus the largest
+    variable); every other variable (BatchNorm's statistics, seeds, step counters, metrics) is made by the strategy,
+    a copy per replica."""
+    import tensorflow as tf
+
+    load = [0] * len(devices)
+
+    def create(next_creator: Callable[..., Any], **kwargs: Any) -> Any:
+        if kwargs.get("trainable") is False:
+            return next_creator(**kwargs)
+        if callable(kwargs.get("initial_value")):  # run the initializer once, here, to know the size
+            kwargs["initial_value"] = kwargs["initial_value"]()
+        value = tf.convert_to_tensor(kwargs["initial_value"], dtype=kwargs.get("dtype"))
+        owner = load.index(min(load))
+        load[owner] += int(value.shape.num_elements()) * value.dtype.size
+        return _plain_variable_on(devices[owner])(next_creator, **kwargs)
+
+    with tf.variable_creator_scope(create):
+        yield
+
+
+def _is_copied(variable: Any) -> bool:
+    """Whether ``variable`` (a TensorFlow variable) has a copy per replica (a strategy's distributed variable)."""
+    return hasattr(variable, "values")
+
+
+def _variable_owners(variables: Sequence[Any], devices: Sequence[str], first: int, replicas: int) -> dict[int, int]:
+    """``id(variable.value)`` -> its owner replica (global index): a plain variable's is the replica whose device holds
+    it (ZeRO-3); the copied ones are balanced by bytes."""
+    from paraml.devices import canonical_device
+
+    local = [canonical_device(d) for d in devices]
+    copied = [v for v in variables if _is_copied(v.value)]
+    sizes = [int(v.value.shape.num_elements()) * v.value.dtype.size for v in copied]
+    found = {id(v.value): r for v, r in zip(copied, owners(sizes, replicas))}
+    for v in variables:
+        if not _is_copied(v.value):
+            found[id(v.value)] = first + local.index(canonical_device(v.value.device))
+    return found
+
+
+#: The most elements one gradient sends to its owner in one all-to-all round (a larger one goes in several chunks):
+#: a round holds twice the replicas x this on each device, sent and received (32 MiB of fp32 at 4 replicas).
+CHUNK = 2**20
+
+
+def _reduce_to_owners(
+    strategy: Any, devices: Sequence[str], first: int, replicas: int, grads: Sequence[tuple[Any, Any, int]]
+) -> dict[int, Any]:
+    """Each of ``grads`` (a replica-local gradient of every replica, its variable, and the owner replica, global)
+    summed over the replicas onto its owner, by all-to-all: ``{index in grads: sum}`` for those this worker's
+    replicas own.
+
+    One all-to-all per round and dtype: round k sends each owner its k-th chunk (at most :data:`CHUNK` elements of
+    one gradient, flattened, padded to the round's longest), the last variables' first (the backward pass makes
+    their gradients first); a round waits for the one before, so one round is in flight beyond the gradients.
+    """
+    import tensorflow as tf
+
+    local = [strategy.experimental_local_results(grad) for grad, _, _ in grads]
+    shapes = [tf.TensorShape(var.shape) for _, var, _ in grads]  # a gradient's own may be unknown in the graph
+    size = [int(shape.num_elements()) for shape in shapes]
+    pieces: dict[int, list[Any]] = {}
+    previous: list[Any] = []
+    for dtype in sorted({values[0].dtype for values in local}, key=str):
+        chunks = [  # (gradient, start, length) per owner, in the order they are sent
+            [
+                (i, start, min(CHUNK, size[i] - start))
+                for i in reversed(range(len(grads)))
+                if grads[i][2] == r and local[i][0].dtype == dtype
+                for start in range(0, max(size[i], 1), CHUNK)
+            ]
+            for r in range(replicas)
+        ]
+        for k in range(max(len(part) for part in chunks)):
+            held = [part[k] if k < len(part) else None for part in chunks]
+            longest = max(c[2] if c is not None else 0 for c in held)
+            finished = []
+            for replica, device in enumerate(devices):
+                with tf.device(device), tf.control_dependencies(previous):
+                    rows = []
+                    for chunk in held:
+                        if chunk is None:
+                            rows.append(tf.zeros([longest], dtype))
+                            continue
+                        i, start, n = chunk
+                        rows.append(tf.pad(tf.reshape(local[i][replica], [-1])[start : start + n], [[0, longest - n]]))
+                    got = all_to_all(strategy, replica, tf.stack(rows))  # row s: replica s's share of mine
+                    mine = held[first + replica]
+                    if mine is not None:
+                        piece = tf.reduce_sum(got, axis=0)[: mine[2]]
+                        pieces.setdefault(mine[0], []).append(piece)
+                        finished.append(piece)
+                    else:
+                        finished.append(got)
+            previous = finished
+    reduced = {}
+    for i, parts in pieces.items():
+        with tf.device(parts[0].device):
+            reduced[i] = tf.reshape(parts[0] if len(parts) == 1 else tf.concat(parts, 0), shapes[i])
+    return reduced
+
+
 def sharded_optimizer(
     optimizer: keras.optimizers.Optimizer,
     variables: Sequence[Any],
     devices: Sequence[str],
     slots: ShardedSlots,
     *,
+    stage: int = 1,
     num_workers: int = 1,
     worker_index: int = 0,
 ) -> keras.optimizers.Optimizer:
     """A copy of ``optimizer`` (created in the strategy's scope, like the original) whose slots for ``variables``
     live on their owners among the replicas, and whose updates run there; each slot it makes is recorded in
-    ``slots``.
+    ``slots``. ``stage`` 2 and 3 reduce each dense gradient to its owner only; under 3, ``variables`` that live on
+    one device (:func:`owned_variables`) are updated there, in place.
 
     ``devices`` are this worker's replicas (the strategy's, in its order); each of the ``num_workers`` workers has as
     many, and this one is ``worker_index``.
 
     Raises:
         ValueError: for an optimizer Keras' TensorFlow backend does not step through its strategy (it has no
-            per-variable update to place).
+            per-variable update to place), or an average of the weights (``use_ema``) of variables on one device.
     """
     import tensorflow as tf
 
     base = type(optimizer)
     if not has_distributed_update_step(base):
         raise ValueError(
-            f"shard_optimizer=True cannot shard {base.__name__}: it does not update its variables one by one "
-            "through the strategy as Keras' TensorFlow optimizers do; use shard_optimizer=False"
+            f"{_OPTION[stage]}=True cannot shard {base.__name__}: it does not update its variables one by one "
+            f"through the strategy as Keras' TensorFlow optimizers do; use {_OPTION[stage]}=False"
         )
     local = len(devices)
     first = worker_index * local  # this worker's first replica, globally
     replicas = num_workers * local
-    sizes = [int(v.value.shape.num_elements()) * v.value.dtype.size for v in variables]
-    owner_of = {id(v.value): r for v, r in zip(variables, owners(sizes, replicas))}
+    owner_of = _variable_owners(variables, devices, first, replicas)
+    in_place = {id(v.value) for v in variables if not _is_copied(v.value)}  # ZeRO-3: one copy, on its owner
+    if in_place and getattr(optimizer, "use_ema", False):
+        raise ValueError(
+            "shard_parameters=True cannot keep an average of the weights (use_ema=True): Keras updates it on every "
+            "replica, and each variable lives on one; use shard_gradients=True, or use_ema=False"
+        )
 
     def add_variable_from_reference(self: Any, reference_variable: Any, *args: Any, **kwargs: Any) -> Any:
         owner = owner_of.get(id(getattr(reference_variable, "value", reference_variable)))
@@ -167,27 +298,61 @@ def sharded_optimizer(
         if owner is None or kwargs.get("name", args[0] if args else None) == "average":
             return base.add_variable_from_reference(self, reference_variable, *args, **kwargs)
         here = first <= owner < first + local
+        name = kwargs.get("name", args[0] if args else None)
         with tf.variable_creator_scope(_plain_variable_on(devices[owner - first if here else 0])):
-            if here:
+            if here and id(getattr(reference_variable, "value", reference_variable)) in in_place:
+                # Keras' TensorFlow optimizer colocates a slot with a variable only the strategy made: Keras' own
+                # slot (its shape, dtype, initializer and name) made here instead
+                initializer = kwargs.get("initializer", args[1] if len(args) > 1 else "zeros")
+                path = getattr(reference_variable, "path", reference_variable.name).replace("/", "_")
+                slot = self.add_variable(
+                    reference_variable.shape, initializer, reference_variable.dtype, name=f"{path}_{name or 'var'}"
+                )
+            elif here:
                 slot = base.add_variable_from_reference(self, reference_variable, *args, **kwargs)
             else:  # another worker's: nothing but a place in the optimizer's list
-                name = kwargs.get("name", args[0] if args else None)
                 slot = self.add_variable((0,), dtype=reference_variable.dtype, name=name)
         slots.record(slot, _Slot(tuple(reference_variable.shape), reference_variable.dtype, owner, here))
         return slot
 
+    def reduced_later(grad: Any, var: Any) -> bool:
+        # stage 2 and 3: a dense gradient of an owned variable is reduced to its owner, in the update step
+        return stage >= 2 and grad is not None and id(var) in owner_of and not isinstance(grad, tf.IndexedSlices)
+
+    def _all_reduce_sum_gradients(self: Any, grads_and_vars: Any) -> list[Any]:
+        grads_and_vars = list(grads_and_vars)
+        later = [reduced_later(g, v) for g, v in grads_and_vars]
+        now = iter(getattr(base, ALL_REDUCE_GRADIENTS)(self, [gv for gv, k in zip(grads_and_vars, later) if not k]))
+        return [gv if k else next(now) for gv, k in zip(grads_and_vars, later)]
+
+    def _apply_weight_decay(self: Any, variables: Any) -> None:
+        # a variable on one device is decayed in the update step: the strategy's per-copy update takes copies only
+        copied = [v for v in variables if id(getattr(v, "value", v)) not in in_place]
+        getattr(base, WEIGHT_DECAY[0])(self, copied)
+
     def _distributed_tf_update_step(self: Any, distribution: Any, grads_and_vars: Any, learning_rate: Any) -> None:
-        updated = []  # (mirrored variable, owner)
+        owned = []  # (gradient, variable, owner)
         for grad, var in grads_and_vars:
-            owner = owner_of.get(id(var))
-            if owner is None:
+            if id(var) in owner_of:
+                owned.append((grad, var, owner_of[id(var)]))
+            else:
                 distributed_update_step(base)(self, distribution, [(grad, var)], learning_rate)
-                continue
+        dense = [i for i, (g, v, _) in enumerate(owned) if g is not None and reduced_later(_one(distribution, g), v)]
+        summed = _reduce_to_owners(distribution, devices, first, replicas, [owned[i] for i in dense])
+        reduced = {dense[j]: value for j, value in summed.items()}
+        updated = []  # (mirrored variable, owner)
+        for i, (grad, var, owner) in enumerate(owned):
             if first <= owner < first + local:
-                with tf.device(devices[owner - first]):
-                    grads = distribution.experimental_local_results(grad)
-                    self.update_step(grads[owner - first], var.values[owner - first], learning_rate)
-            updated.append((var, owner))
+                here = owner - first
+                with tf.device(devices[here]):
+                    gradient = reduced[i] if i in reduced else distribution.experimental_local_results(grad)[here]
+                    target = var.values[here] if _is_copied(var) else var
+                    if not _is_copied(var) and self.weight_decay is not None and getattr(self, WEIGHT_DECAY[1])(var):
+                        rate = tf.cast(self.learning_rate, var.dtype) * tf.cast(self.weight_decay, var.dtype)
+                        var.assign_sub(var * rate)  # as Keras' _apply_weight_decay, before the update
+                    self.update_step(gradient, target, learning_rate)
+            if _is_copied(var):
+                updated.append((var, owner))
         if num_workers == 1:
             for var, owner in updated:  # every replica gets the owner's result
                 with tf.device(devices[owner]):
@@ -208,12 +373,23 @@ def sharded_optimizer(
         (base,),
         {
             "add_variable_from_reference": add_variable_from_reference,
+            ALL_REDUCE_GRADIENTS: _all_reduce_sum_gradients,
+            WEIGHT_DECAY[0]: _apply_weight_decay,
             DISTRIBUTED_UPDATE_STEP: _distributed_tf_update_step,
             "__module__": base.__module__,  # saved models name the user's class
             "__doc__": base.__doc__,
         },
     )
     return sharded.from_config(optimizer.get_config())
+
+
+#: The option that turns each ZeRO stage on (what an error about it names).
+_OPTION = {1: "shard_optimizer", 2: "shard_gradients", 3: "shard_parameters"}
+
+
+def _one(distribution: Any, value: Any) -> Any:
+    """One replica's part of a value handed to the update step (to see its kind: dense or ``IndexedSlices``)."""
+    return distribution.experimental_local_results(value)[0]
 
 
 #: ``saved(variables)``: an optimizer's variables as a checkpoint holds them when none is sharded (a split weight's

@@ -119,6 +119,15 @@ class DeviceMesh:
         return tuple(tuple(group[0] for group in replica) for replica in self.devices)
 
 
+#: What each ZeRO stage keeps on one owner replica per trainable variable, in words (``ParallelPlan.zero_stage``).
+_ZERO_STAGES = {
+    1: "each variable's optimizer slots on one owner replica (shard_optimizer)",
+    2: "each variable's optimizer slots and reduced gradient on one owner replica (shard_gradients)",
+    3: "each variable, its optimizer slots and its reduced gradient on one owner replica, read where it is used "
+    "(shard_parameters)",
+}
+
+
 @dataclass(frozen=True)
 class ParallelPlan:
     """How one model is laid out and trained over devices: made once per build, read by every technique.
@@ -133,7 +142,8 @@ class ParallelPlan:
         micro_batches: Parts each replica's batch is pipelined in.
         schedule: The order of the micro-batches' forward and backward passes through the stages, or None.
         remat: Whether units recompute their activations in the backward pass.
-        shard_optimizer: Whether each trainable variable's optimizer slots live on one owner replica (ZeRO-1).
+        zero_stage: What of each trainable variable lives on one owner replica only (:mod:`paraml.parallelism.zero`):
+            0 nothing, 1 its optimizer slots, 2 also its reduced gradient, 3 also the variable itself.
         notes: What the planner wants the reader to know (an unbalanced unit, an observation's limits).
     """
 
@@ -144,7 +154,7 @@ class ParallelPlan:
     micro_batches: int = 1
     schedule: Schedule | None = None
     remat: bool = False
-    shard_optimizer: bool = False
+    zero_stage: int = 0
     notes: tuple[str, ...] = ()
 
     @property
@@ -173,7 +183,7 @@ class ParallelPlan:
             lines.append(str(self.schedule))
         if self.remat:
             lines.append("remat: every unit recomputes its activations in the backward pass")
-        if self.shard_optimizer:
-            lines.append("shard_optimizer: each variable's optimizer slots on one owner replica (ZeRO-1)")
+        if self.zero_stage:
+            lines.append(f"ZeRO-{self.zero_stage}: {_ZERO_STAGES[self.zero_stage]}")
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)

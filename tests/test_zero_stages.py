@@ -1,0 +1,200 @@
+"""ZeRO-2 and ZeRO-3 under ``mirrored``: ``shard_gradients=True`` reduces each gradient to its owner only,
+``shard_parameters=True`` keeps each variable on its owner only; both train to unsharded ``mirrored``'s weights."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import keras_hub  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from test_zero import tagger  # noqa: E402  (an Embedding: a sparse gradient)
+
+from paraml import Parallel  # noqa: E402
+from paraml.bench.harness import run_process  # noqa: E402
+from paraml.parallelism import zero  # noqa: E402
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def mlp() -> keras.Model:
+    return keras.Sequential(
+        [keras.Input((12,)), *[keras.layers.Dense(48, activation="gelu") for _ in range(4)], keras.layers.Dense(3)]
+    )
+
+
+def data(tokens: bool):
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 40, (100, 6)).astype("int32") if tokens else rng.normal(size=(100, 12)).astype("float32")
+    return x, rng.integers(0, 3, 100)  # a last batch of 4
+
+
+def train(model_fn, optimizer, epochs=2, devices=4, **options):
+    par = Parallel("mirrored", devices=devices, seed=2, **options)
+    par.build(model_fn, optimizer=optimizer, loss=LOSS)
+    x, y = data(model_fn is tagger)
+    history = par.fit(x, y, batch_size=32, epochs=epochs, verbose=0)
+    return par, history
+
+
+@pytest.mark.parametrize(
+    "option, model_fn, optimizer, chunk",
+    [
+        ("shard_gradients", tagger, "adam", None),
+        ("shard_parameters", tagger, "adam", None),
+        ("shard_parameters", mlp, keras.optimizers.AdamW(learning_rate=0.01, weight_decay=0.05), None),
+        ("shard_gradients", mlp, keras.optimizers.AdamW(learning_rate=0.01, weight_decay=0.05), 100),
+    ],
+    ids=["gradients-embedding-adam", "parameters-embedding-adam", "parameters-mlp-adamw", "gradients-chunked-adamw"],
+)
+def test_sharded_training_equals_mirrored(option, model_fn, optimizer, chunk, monkeypatch):
+    if chunk is not None:  # a gradient sent to its owner in chunks of 100 elements, over several rounds
+        monkeypatch.setattr(zero, "CHUNK", chunk)
+    plain, plain_history = train(model_fn, optimizer)
+    sharded, sharded_history = train(model_fn, optimizer, **{option: True})
+    np.testing.assert_allclose(sharded_history.history["loss"], plain_history.history["loss"], rtol=1e-5)
+    for got, want in zip(sharded.model.get_weights(), plain.model.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(sharded.model.optimizer.variables, plain.model.optimizer.variables, strict=True):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6, err_msg=got.path)
+
+
+def gpt2() -> keras.Model:
+    """A keras_hub GPT-2 (2 blocks, its default dropout), tiny."""
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32, max_sequence_length=8
+    )
+    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+
+
+def tokens():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 64, (40, 9)).astype("int32")
+    return {"token_ids": ids[:, :-1], "padding_mask": np.ones((40, 8), "int32")}, ids[:, 1:]
+
+
+@pytest.mark.slow
+def test_a_keras_hub_gpt2_trains_sharded_as_mirrored():
+    x, y = tokens()
+    found = {}
+    for option in (None, "shard_gradients", "shard_parameters"):
+        par = Parallel("mirrored", devices=4, seed=0, **({option: True} if option else {}))
+        par.build(gpt2, optimizer=keras.optimizers.Adam(1e-3), loss=LOSS)
+        history = par.fit(x, y, batch_size=16, epochs=2, verbose=0)
+        found[option] = history.history["loss"], par.model.get_weights()
+    for option in ("shard_gradients", "shard_parameters"):
+        np.testing.assert_allclose(found[option][0], found[None][0], rtol=1e-5, err_msg=option)
+        for got, want in zip(found[option][1], found[None][1], strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=option)
+
+
+def test_shard_parameters_keeps_each_variable_once_on_its_owner():
+    par = Parallel("mirrored", devices=4, seed=2, shard_parameters=True)
+    par.build(tagger, optimizer="adam", loss=LOSS)
+    trainable = [v.value for v in par.model.trainable_variables]
+    assert all(not hasattr(v, "values") for v in trainable)  # plain variables, not a copy per replica
+    sizes = [int(np.prod(v.shape)) * 4 for v in trainable]
+    state = sum(int(np.prod(v.shape)) * 4 for v in par.model.non_trainable_variables)  # copied (none here)
+    by_device = par.memory_by_device()
+    assert len(by_device) == 4
+    parameters = [b["parameters"] - state for b in by_device.values()]
+    assert sum(parameters) == sum(sizes)  # one copy over the four
+    assert max(parameters) <= sum(sizes) / 4 + max(sizes)
+    assert "ZeRO-3" in par.backend.plan.describe() and par.backend.plan.remat
+
+
+@pytest.mark.slow
+def test_a_sharded_parameters_checkpoint_restores_under_single_and_the_other_way(tmp_path):
+    x, y = data(tokens=True)
+    sharded, _ = train(tagger, "adam", epochs=2, shard_parameters=True)
+    sharded.save(tmp_path / "sharded")
+    single = Parallel("single", seed=2)
+    single.build(tagger, optimizer="adam", loss=LOSS)
+    single.restore(tmp_path / "sharded")
+    np.testing.assert_allclose(single.predict(x), sharded.predict(x), rtol=1e-6, atol=1e-6)
+    for got, want in zip(single.model.optimizer.variables, sharded.model.optimizer.variables, strict=True):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-7, err_msg=got.path)
+    single.fit(x, y, batch_size=32, epochs=3, initial_epoch=2, verbose=0)
+    single.save(tmp_path / "single")
+    again = Parallel("mirrored", devices=4, seed=2, shard_parameters=True)
+    again.build(tagger, optimizer="adam", loss=LOSS)
+    again.restore(tmp_path / "single")
+    np.testing.assert_allclose(again.predict(x), single.predict(x), rtol=1e-6, atol=1e-6)
+    sharded.fit(x, y, batch_size=32, epochs=3, initial_epoch=2, verbose=0)  # resumed == trained straight on
+    for got, want in zip(single.model.get_weights(), sharded.model.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_sharding_options_are_refused_naming_the_choices():
+    with pytest.raises(ValueError, match="shard_gradients must be True or False, got 1"):
+        Parallel("mirrored", devices=2, shard_gradients=1)
+    with pytest.raises(ValueError, match="shard_parameters=True shards .* shard_optimizer=False contradicts it"):
+        Parallel("mirrored", devices=2, shard_parameters=True, shard_optimizer=False)
+    for option in ("shard_gradients", "shard_parameters"):
+        with pytest.raises(ValueError, match=f"unknown option '{option}' .*only 'mirrored'"):
+            Parallel("model_parallel", devices=2, **{option: True})
+    with pytest.raises(ValueError, match="use_ema=True"):
+        Parallel("mirrored", devices=2, shard_parameters=True).build(
+            tagger, optimizer=keras.optimizers.Adam(use_ema=True), loss=LOSS
+        )
+
+
+@pytest.mark.slow
+def test_shard_gradients_across_two_workers_trains_as_mirrored_and_restores_under_single(tmp_path):
+    """``paraml launch -n 2`` with ``shard_gradients=True``: the workers' weights equal unsharded ``mirrored`` on 2
+    devices from the same start, and the chief's checkpoint restores under ``single`` to the same predictions."""
+    script = Path(__file__).parent / "scripts" / "zero_worker.py"
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    done = run_process([sys.executable, "-m", "paraml", "launch", "-n", "2", str(script), str(tmp_path)], 300, env=env)
+    assert done.code == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    w0, w1 = (np.load(tmp_path / f"worker{i}.npz") for i in range(2))
+    count = sum(k.startswith("final") for k in w0.files)
+    sys.path.insert(0, str(script.parent))
+    try:
+        from zero_worker import data as worker_data
+        from zero_worker import tagger as worker_tagger
+    finally:
+        sys.path.pop(0)
+    x, y = worker_data()
+    par = Parallel("mirrored", devices=2, seed=2)
+    par.build(worker_tagger, optimizer="adam", loss=LOSS)
+    par.model.set_weights([w0[f"initial{i}"] for i in range(count)])
+    history = par.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    np.testing.assert_allclose(w0["loss"], history.history["loss"], rtol=1e-5)
+    for i, want in enumerate(par.model.get_weights()):
+        np.testing.assert_array_equal(w0[f"final{i}"], w1[f"final{i}"])
+        np.testing.assert_allclose(w0[f"final{i}"], want, rtol=1e-5, atol=1e-6)
+    single = Parallel("single", seed=2)
+    single.build(worker_tagger, optimizer="adam", loss=LOSS)
+    single.restore(tmp_path / "ckpt")
+    np.testing.assert_allclose(single.predict(x), w0["predictions"], rtol=1e-5, atol=1e-6)
+    for got, want in zip(single.model.optimizer.variables, par.model.optimizer.variables, strict=True):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6, err_msg=got.path)
+
+
+@pytest.mark.slow
+def test_shard_parameters_peaks_lower_than_shard_optimizer_by_more_than_the_parameters():
+    """The allocator's peak of one fresh process per variant (benchmarks/bench_zero.py: 12 Dense layers of 1024, Adam,
+    4 logical devices sharing one allocator): ZeRO-3's at least 1.5x the parameter bytes below ZeRO-1's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from paraml.bench.harness import marked_results
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_zero.py"
+
+    def peak(variant: str) -> dict:
+        done = run_process([sys.executable, str(bench), "--peak-run", variant], 300)
+        assert done.code == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return marked_results(done.stdout, "bench_zero worker: ")[0]
+
+    with ThreadPoolExecutor(2) as pool:
+        zero1, zero3 = pool.map(peak, ["shard_optimizer", "shard_parameters"])
+    parameters = 12 * (1024 * 1024 + 1024) * 4
+    assert (zero1["peak"] - zero3["peak"]) / parameters >= 1.5, (zero1["peak"], zero3["peak"])
+    held = [b["parameters"] for b in zero3["by_device"].values()]
+    assert sum(held) == parameters and max(held) <= parameters / 4 + (1024 * 1024 + 1024) * 4
