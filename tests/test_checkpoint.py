@@ -85,6 +85,44 @@ def test_fit_with_checkpoint_dir_resumes_in_process(tmp_path, data):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "strategy, devices, options", [("single", None, {}), ("mirrored", 2, {"shard_optimizer": True})]
+)
+def test_async_checkpoints_hold_what_synchronous_ones_hold(tmp_path, data, strategy, devices, options):
+    """async_checkpoint=True: every epoch's checkpoint written in the background while training goes on; fit returns
+    with the last one complete, and it restores to the weights and Adam state a synchronous run's restores to."""
+    x, y = data
+    runs = {}
+    for background in (False, True):
+        par = make(strategy, devices, **options)
+        folder = tmp_path / f"async={background}"
+        par.fit(x, y, batch_size=50, epochs=3, verbose=0, checkpoint_dir=folder, async_checkpoint=background)
+        assert sorted(p.name for p in folder.iterdir()) == ["ckpt-000001", "ckpt-000002", "ckpt-000003", "latest"]
+        restored = make("single")
+        assert restored.restore(folder).epoch == 3
+        runs[background] = restored, par.model.get_weights()
+    np.testing.assert_allclose(runs[True][0].predict(x), runs[False][0].predict(x), rtol=1e-6, atol=1e-6)
+    for got, want in zip(runs[True][0].model.optimizer.variables, runs[False][0].model.optimizer.variables):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-7, err_msg=got.path)
+    for got, want in zip(runs[True][0].model.get_weights(), runs[True][1]):  # the last save is the trained model
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_checkpoint_of_one_layout_resumes_on_another_as_if_uninterrupted(tmp_path, data):
+    """One epoch under mirrored on 4 devices with shard_optimizer, saved; the second under model_parallel with
+    tensor_parallel=2: the weights of an uninterrupted 2-epoch single run (Adam)."""
+    x, y = data
+    straight = make("single")
+    straight.fit(x, y, batch_size=50, epochs=2, verbose=0)
+    first = make("mirrored", 4, shard_optimizer=True)
+    first.fit(x, y, batch_size=50, epochs=1, verbose=0, checkpoint_dir=tmp_path)
+    second = make("model_parallel", 2, tensor_parallel=2)
+    history = second.fit(x, y, batch_size=50, epochs=2, verbose=0, checkpoint_dir=tmp_path)
+    assert history.epoch == [1]
+    for got, want in zip(second.model.get_weights(), straight.model.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
 def test_resume_mid_epoch_from_a_step_checkpoint(tmp_path, data):
     x, y = data
     straight = make("single")
@@ -124,10 +162,13 @@ def wait_for(process, marker):
 
 
 @pytest.mark.slow
-def test_crash_and_resume(tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_crash_and_resume(tmp_path, background):
     reference = run_script(tmp_path / "ref-ckpt", tmp_path / "ref.npz")
     assert reference.wait(timeout=240) == 0
-    crashing = run_script(tmp_path / "ckpt", tmp_path / "out.npz", "--slow-epoch", 2)
+    crashing = run_script(
+        tmp_path / "ckpt", tmp_path / "out.npz", "--slow-epoch", 2, *(["--async"] if background else [])
+    )
     wait_for(crashing, "epoch 2 begins")  # inside epoch 3: epochs 0 and 1 are checkpointed
     crashing.send_signal(signal.SIGKILL)
     crashing.wait(timeout=30)
@@ -198,6 +239,10 @@ def test_restore_from_a_corrupt_checkpoint_leaves_it_alone(tmp_path):
 def test_bad_checkpoint_arguments(tmp_path, data):
     x, y = data
     par = make("single")
+    with pytest.raises(ValueError, match="async_checkpoint needs checkpoint_dir"):
+        make("single").fit(x, y, epochs=1, verbose=0, async_checkpoint=True)
+    with pytest.raises(ValueError, match="async_checkpoint must be True or False, got 'yes'"):
+        make("single").fit(x, y, epochs=1, verbose=0, checkpoint_dir=tmp_path, async_checkpoint="yes")
     with pytest.raises(ValueError, match="checkpoint_every needs checkpoint_dir"):
         par.fit(x, y, checkpoint_every=5, verbose=0)
     with pytest.raises(ValueError, match="keep must be an int >= 1"):
@@ -244,3 +289,21 @@ def test_fit_refuses_an_unwritable_checkpoint_dir_and_another_models_checkpoint(
     with pytest.raises(ValueError, match="is of a different model"):
         other.fit(x, y, verbose=0, checkpoint_dir=tmp_path / "ckpt")
     assert {p: p.read_bytes() for p in (tmp_path / "ckpt").rglob("*") if p.is_file()} == files
+
+
+def test_inspect_says_what_a_checkpoint_holds_before_a_resume(tmp_path, data):
+    x, y = data
+    par = make("mirrored", 2, shard_optimizer=True)
+    par.fit(x, y, batch_size=50, epochs=2, verbose=0, checkpoint_dir=tmp_path)
+    command = [sys.executable, "-m", "paraml", "checkpoint", "inspect"]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    done = subprocess.run([*command, str(tmp_path)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    assert "ckpt-000002" in text and "epochs done 2, steps into the next 0, shuffling seed 7" in text, text
+    assert "optimizer Adam" in text and "plan: " in text and "ZeRO-1" in text, text
+    assert f"model {len(par.model.weights)} (" in text, text
+    missing = subprocess.run(
+        [*command, str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert missing.returncode == 2 and "no checkpoint at" in missing.stderr

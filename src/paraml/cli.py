@@ -1,4 +1,5 @@
-"""The ``paraml`` command: a thin argparse front over the library (demo, devices, estimate, launch, cluster, bench)."""
+"""The ``paraml`` command: a thin argparse front over the library (demo, devices, estimate, launch, cluster, bench,
+checkpoint)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from paraml.cluster.logs import filtered_stderr
 __all__ = ["COMMANDS", "main"]
 
 #: The subcommands of ``paraml``, in the order ``--help`` lists them.
-COMMANDS = ("demo", "env", "devices", "estimate", "bench", "launch", "cluster")
+COMMANDS = ("demo", "env", "devices", "estimate", "bench", "launch", "cluster", "checkpoint")
 
 
 def _demo(ns: argparse.Namespace) -> int:
@@ -132,6 +133,14 @@ def _cluster(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint(ns: argparse.Namespace) -> int:
+    """``paraml checkpoint inspect DIR``: what a checkpoint holds, before a resume."""
+    from paraml.loop.checkpoint import inspect_checkpoint
+
+    print(inspect_checkpoint(ns.path).describe())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``paraml`` command."""
     from paraml import __version__
@@ -203,6 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
         "cluster", help="the cluster this process is in (scheduler, variables read, workers, index), no training"
     )
     cluster.set_defaults(run=_cluster)
+
+    checkpoint = commands.add_parser("checkpoint", help="what a checkpoint holds (inspect DIR)")
+    actions = checkpoint.add_subparsers(dest="action", required=True)
+    inspect = actions.add_parser("inspect", help="step, epoch, optimizer, the layout that wrote it, tensors and bytes")
+    inspect.add_argument("path", help="a checkpoint directory (its newest checkpoint) or one checkpoint folder")
+    checkpoint.set_defaults(run=_checkpoint)
     assert tuple(commands.choices) == COMMANDS
     return parser
 

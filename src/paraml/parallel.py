@@ -440,6 +440,7 @@ class Parallel:
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int | None = None,
         keep: int | None = 3,
+        async_checkpoint: bool = False,
     ) -> keras.callbacks.History:
         """Train the model, as ``keras.Model.fit`` does (the same arguments and meaning), and return its ``History``.
 
@@ -453,10 +454,13 @@ class Parallel:
         steps), keeping the newest ``keep``; started again with the same directory, training resumes from the last
         complete checkpoint and ends with the weights of a run that never stopped. A SIGTERM or SIGINT during such a
         fit stops at the next step, saves, and exits with :data:`paraml.loop.preemption` 's code (see docs/guide.md).
+        ``async_checkpoint=True`` writes those checkpoints in the background while training goes on (the state is
+        copied to host memory first; the next save waits for the previous one; the save where training stops, and
+        the end of ``fit``, wait for the write), each as atomic as a synchronous one.
         """
         self._require_model("fit")
         _check_fit_arguments(epochs, initial_epoch, steps_per_epoch, validation_steps, validation_freq)
-        _check_checkpoint_arguments(checkpoint_dir, checkpoint_every, keep)
+        _check_checkpoint_arguments(checkpoint_dir, checkpoint_every, keep, async_checkpoint)
         verbosity = check_verbose(verbose, 1 if self.is_chief else 0)  # progress bars: the chief's by default
         callbacks = self._callbacks(callbacks)
         if validation_split and validation_data is not None:
@@ -471,7 +475,12 @@ class Parallel:
         checkpoints = None
         if checkpoint_dir is not None:
             checkpoints = Checkpointing(
-                checkpoint_dir, every=checkpoint_every, keep=keep, trainer=trainer, seed=start.seed
+                checkpoint_dir,
+                every=checkpoint_every,
+                keep=keep,
+                trainer=trainer,
+                seed=start.seed,
+                asynchronous=async_checkpoint,
             )
             start = checkpoints.resume(initial_epoch, epochs) or start
             if start.seed != (self.seed or 0):  # the checkpoint's seed decides the order
@@ -479,7 +488,10 @@ class Parallel:
                     x, y, batch_size, "train_step", steps=steps_per_epoch, seed=start.seed, **arguments
                 )
         self._check_no_empty_replica(source)
-        with checkpoints.stop_on_signal() if checkpoints is not None else nullcontext() as stop_requested:
+        with (
+            checkpoints.stop_on_signal() if checkpoints is not None else nullcontext() as stop_requested,
+            checkpoints.writer if checkpoints is not None else nullcontext(),  # fit returns with its writes done
+        ):
             history, preempted = trainer.fit(
                 source,
                 epochs=epochs,
@@ -611,11 +623,14 @@ def _check_build_arguments(
     check_compile_names(loss, metrics, weighted_metrics)
 
 
-def _check_checkpoint_arguments(directory: Any, every: Any, keep: Any) -> None:
+def _check_checkpoint_arguments(directory: Any, every: Any, keep: Any, asynchronous: Any = False) -> None:
     check_int("checkpoint_every", every, none_ok=True)
     check_int("keep", keep, none_ok=True)
-    if every is not None and directory is None:
-        raise ValueError("checkpoint_every needs checkpoint_dir: say where the checkpoints go")
+    if not isinstance(asynchronous, bool):
+        raise ValueError(f"async_checkpoint must be True or False, got {asynchronous!r}")
+    for given, name in ((every is not None, "checkpoint_every"), (asynchronous, "async_checkpoint")):
+        if given and directory is None:
+            raise ValueError(f"{name} needs checkpoint_dir: say where the checkpoints go")
 
 
 def _check_fit_arguments(

@@ -23,7 +23,8 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,8 +45,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "CheckpointState",
+    "CheckpointSummary",
+    "CheckpointWriter",
     "Checkpointing",
     "check_writable",
+    "inspect_checkpoint",
     "latest_checkpoint",
     "restore_checkpoint",
     "save_checkpoint",
@@ -150,37 +154,113 @@ def save_checkpoint(
     writes to a temporary folder that is deleted at once, as TensorFlow's convention asks: every worker takes part,
     only the chief's copy stays.
     """
-    check_int("keep", keep, none_ok=True)
-    checkpoint = tf.train.Checkpoint(
-        **_trackables(model, optimizer, _whole_state(optimizer, techniques)),
-        progress=tf.Variable(np.array([state.epoch, state.step, state.seed], np.int64), trainable=False),
-        optimizer_class=tf.Variable(type(optimizer).__name__, trainable=False),
-    )
-    if not write:
-        scratch = Path(tempfile.mkdtemp(prefix="paraml-worker-ckpt-"))
+    return CheckpointWriter().save(directory, model, optimizer, state, keep=keep, write=write, techniques=techniques)
+
+
+class CheckpointWriter:
+    """Writes checkpoints (:func:`save_checkpoint`), in the background when ``asynchronous``.
+
+    A background save copies the state to host memory before :meth:`save` returns (TensorFlow's asynchronous
+    checkpoint, ``CheckpointOptions(experimental_enable_async_checkpoint=True)``), so training may change the
+    variables at once; a thread then waits for TensorFlow's write and makes it visible as a synchronous save does
+    (fsync, rename, ``latest``). The next save and :meth:`wait` wait for it, and raise what it raised. A crash
+    before the rename leaves only a staging folder, which the next save deletes: the previous checkpoint is whole.
+    """
+
+    def __init__(self, asynchronous: bool = False) -> None:
+        self.asynchronous = asynchronous
+        self._pending: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(
+        self,
+        directory: str | os.PathLike[str],
+        model: keras.Model,
+        optimizer: keras.optimizers.Optimizer,
+        state: CheckpointState,
+        *,
+        keep: int | None = None,
+        write: bool = True,
+        techniques: Techniques | None = None,
+        asynchronous: bool | None = None,
+    ) -> Path:
+        """Save as :func:`save_checkpoint` does; in the background unless ``asynchronous`` (default: the writer's)
+        is False. Returns the folder the checkpoint has (or will have, once written)."""
+        check_int("keep", keep, none_ok=True)
+        self.wait()  # one write at a time: the numbering and `latest` follow the order of the saves
+        checkpoint = tf.train.Checkpoint(
+            **_trackables(model, optimizer, _whole_state(optimizer, techniques)),
+            progress=tf.Variable(np.array([state.epoch, state.step, state.seed], np.int64), trainable=False),
+            optimizer_class=tf.Variable(type(optimizer).__name__, trainable=False),
+            # what wrote it, for `paraml checkpoint inspect` (a restore reads the tensors by position, on any layout)
+            layout=tf.Variable(techniques.plan.describe() if techniques is not None else "", trainable=False),
+        )
+        background = self.asynchronous if asynchronous is None else asynchronous
+        options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True) if background else None
+        if not write:
+            scratch = Path(tempfile.mkdtemp(prefix="paraml-worker-ckpt-"))
+            checkpoint.write(str(scratch / _PREFIX), options=options)
+            self._finish(checkpoint, background, lambda: shutil.rmtree(scratch, ignore_errors=True))
+            return scratch
+        root = Path(directory)
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(f".{_PREFIX}-*"):  # a save that crashed half-way left its staging folder
+            shutil.rmtree(stale, ignore_errors=True)
+        name = _next_name(root)
+        staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}."))
+        checkpoint.write(str(staging / _PREFIX), options=options)
+        self._finish(checkpoint, background, lambda: _make_visible(root, staging, name, keep))
+        return root / name
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        """Wait for the background save; when the block raised, say (not raise) what the save raised."""
         try:
-            checkpoint.write(str(scratch / _PREFIX))
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-        return scratch
-    root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(f".{_PREFIX}-*"):  # a save that crashed half-way left its staging folder
-        shutil.rmtree(stale, ignore_errors=True)
-    name = _next_name(root)
-    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}."))
-    checkpoint.write(str(staging / _PREFIX))
+            self.wait()
+        except RuntimeError as failed:
+            if kind is None:
+                raise
+            print(f"paraml: {failed}", file=sys.stderr, flush=True)
+
+    def wait(self) -> None:
+        """Wait for the background save, if any; raise what it raised."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"a checkpoint written in the background failed: {error}") from error
+
+    def _finish(self, checkpoint: tf.train.Checkpoint, background: bool, then: Callable[[], None]) -> None:
+        if not background:
+            then()
+            return
+
+        def complete() -> None:
+            try:
+                checkpoint.sync()  # TensorFlow's own write thread is done
+                then()
+            except BaseException as error:  # handed to the next save or wait, in the training thread
+                self._error = error
+
+        self._pending = threading.Thread(target=complete, name="paraml-checkpoint", daemon=False)
+        self._pending.start()
+
+
+def _make_visible(root: Path, staging: Path, name: str, keep: int | None) -> None:
+    """Flush a written checkpoint, rename it into place, point ``latest`` at it, and drop all but the newest
+    ``keep``."""
     for file in staging.iterdir():  # flush the data before the rename makes it visible
         with open(file, "rb") as handle:
             os.fsync(handle.fileno())
-    final = root / name
-    os.rename(staging, final)
+    os.rename(staging, root / name)
     _write_atomic(root / _LATEST, name + "\n")
     if keep is not None:
         complete = sorted(p for p in root.glob(f"{_PREFIX}-*") if p.is_dir())
         for old in complete[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
@@ -205,6 +285,81 @@ def _resolve(path: str | os.PathLike[str]) -> Path:
     if found is None:
         raise FileNotFoundError(f"no checkpoint at {str(given)!r}: it holds no complete checkpoint ('latest' missing)")
     return found
+
+
+@dataclass(frozen=True)
+class CheckpointSummary:
+    """What a checkpoint holds (:func:`inspect_checkpoint`): where training stood, the optimizer, the layout that
+    wrote it (its plan's ``describe()``; empty for a checkpoint written without one) and every tensor stored.
+
+    Attributes:
+        tensors: ``(key, shape, dtype, bytes)`` of each stored tensor: ``model_NNNNN`` (the model's weights by
+            position), ``optimizer_NNNNN`` (its optimizer's variables, each whole), ``seed_NNNNN``, ``extra_...``.
+    """
+
+    folder: Path
+    state: CheckpointState
+    optimizer_class: str
+    layout: str
+    tensors: tuple[tuple[str, tuple[int, ...], str, int], ...]
+
+    def describe(self) -> str:
+        """The summary in words: one line each for where training stood, the optimizer and the bytes by kind, then
+        the layout that wrote it."""
+        kinds: dict[str, list[int]] = {}
+        for key, _, _, nbytes in self.tensors:
+            kinds.setdefault(key.split("_")[0], []).append(nbytes)
+        from paraml.planning.sizes import format_bytes
+
+        total = sum(sum(sizes) for sizes in kinds.values())
+        lines = [
+            f"checkpoint {self.folder}",
+            f"epochs done {self.state.epoch}, steps into the next {self.state.step}, shuffling seed {self.state.seed}",
+            f"optimizer {self.optimizer_class or 'unknown'}",
+            f"{len(self.tensors)} tensors, {format_bytes(total)}: "
+            + ", ".join(f"{kind} {len(sizes)} ({format_bytes(sum(sizes))})" for kind, sizes in sorted(kinds.items())),
+            "written by: " + (self.layout.replace("\n", "\n  ") if self.layout else "(no layout recorded)"),
+        ]
+        return "\n".join(lines)
+
+
+def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointSummary:
+    """What the checkpoint at ``path`` (a checkpoint folder, or a directory whose ``latest`` names one) holds,
+    read from its index without building a model.
+
+    Raises:
+        FileNotFoundError: naming a path that does not exist or holds no complete checkpoint.
+        ValueError: for a truncated or corrupt checkpoint.
+    """
+    folder = _resolve(path)
+    prefix = str(folder / _PREFIX)
+    try:
+        reader = tf.train.load_checkpoint(prefix)
+        shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
+    except (tf.errors.OpError, ValueError, IndexError) as error:
+        raise ValueError(f"checkpoint {str(folder)!r} is corrupt or truncated: {error}") from None
+    suffix = "/.ATTRIBUTES/VARIABLE_VALUE"
+
+    def text(key: str) -> str:
+        if key + suffix not in shapes:
+            return ""
+        value = reader.get_tensor(key + suffix)
+        return value.decode() if isinstance(value, bytes) else str(value)
+
+    epoch, step, seed = (int(v) for v in reader.get_tensor("progress" + suffix))
+    tensors = tuple(
+        (
+            key[: -len(suffix)],
+            tuple(shapes[key]),
+            dtypes[key].name,
+            int(np.prod(shapes[key], dtype=np.int64)) * dtypes[key].size,
+        )
+        for key in sorted(shapes)
+        if key.endswith(suffix) and key[: -len(suffix)] not in ("progress", "optimizer_class", "layout", "save_counter")
+    )
+    return CheckpointSummary(
+        folder, CheckpointState(epoch, step, seed), text("optimizer_class"), text("layout"), tensors
+    )
 
 
 def restore_checkpoint(
@@ -303,6 +458,7 @@ class Checkpointing:
         keep: int | None,
         trainer: Trainer,
         seed: int,
+        asynchronous: bool = False,
     ) -> None:
         check_int("checkpoint_every", every, none_ok=True)
         check_int("keep", keep, none_ok=True)
@@ -312,6 +468,7 @@ class Checkpointing:
         self.backend, self.model, self.optimizer = trainer.backend, trainer.model, trainer.optimizer
         self.seed = seed
         self.guard = PreemptionGuard()
+        self.writer = CheckpointWriter(asynchronous)
         self._last_step = 0
 
     def resume(self, initial_epoch: int, epochs: int) -> CheckpointState | None:
@@ -342,18 +499,18 @@ class Checkpointing:
             self._last_step = state.step - state.step % self.every
         return state
 
-    def save(self, epoch: int, step: int) -> Path:
-        """Save where training stands (``epoch`` epochs done, ``step`` steps into the next)."""
-        state = CheckpointState(epoch, step, self.seed)
-        write = self.backend.topology.is_chief
-        return save_checkpoint(
+    def save(self, epoch: int, step: int, asynchronous: bool | None = None) -> Path:
+        """Save where training stands (``epoch`` epochs done, ``step`` steps into the next); in the background when
+        the run asked for it and ``asynchronous`` is not False."""
+        return self.writer.save(
             self.directory,
             self.model,
             self.optimizer,
-            state,
+            CheckpointState(epoch, step, self.seed),
             keep=self.keep,
-            write=write,
+            write=self.backend.topology.is_chief,
             techniques=self.backend.techniques,
+            asynchronous=asynchronous,
         )
 
     def __call__(self, epoch: int, steps_done: int, event: str) -> None:
@@ -361,7 +518,10 @@ class Checkpointing:
         if event == "epoch_end":
             self.save(epoch + 1, 0)
             self._last_step = 0
-        elif event == "stopped" or (self.every is not None and steps_done - self._last_step >= self.every):
+        elif event == "stopped":  # a signal or a callback stopped training: written before fit returns or exits
+            self.save(epoch, steps_done, asynchronous=False)
+            self._last_step = steps_done
+        elif self.every is not None and steps_done - self._last_step >= self.every:
             self.save(epoch, steps_done)
             self._last_step = steps_done
 
