@@ -817,13 +817,14 @@ def _launch_training(out: Path, launch_args: list[str], script_args: list[str]) 
 @pytest.mark.slow
 def test_a_killed_worker_resumes_from_the_checkpoint_with_the_uninterrupted_weights(tmp_path: Path) -> None:
     """paraml launch -n 2 --max-restarts 2, worker 1 SIGKILLs itself once in epoch 2 (of 0..2): the launch exits 0
-    and the chief's final weights equal an uninterrupted launch's; no process of the job outlives the launch."""
+    and the chief's final weights equal an uninterrupted launch's; no process of the job outlives the launch. The
+    faulted run writes its checkpoints in the background (async_checkpoint=True), the uninterrupted one does not."""
     import numpy as np
 
     reference = _launch_training(tmp_path / "reference", [], [])
     assert reference.returncode == 0, reference.stderr[-3000:]
     # 23 steps an epoch (1,438 samples, global batch 64): step 51 is in the middle of epoch 2.
-    faulted = _launch_training(tmp_path / "faulted", ["--max-restarts", "2"], ["--kill", "0:1:51"])
+    faulted = _launch_training(tmp_path / "faulted", ["--max-restarts", "2"], ["--kill", "0:1:51", "--async"])
     assert faulted.returncode == 0, f"{faulted.stdout[-3000:]}\n{faulted.stderr[-3000:]}"
 
     assert "paraml launch: worker 1 was killed by SIGKILL (exit code 137); restart 1 of 2" in faulted.stderr

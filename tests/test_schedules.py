@@ -30,7 +30,17 @@ def test_the_rule_the_stages_follow():
     assert Schedule("gpipe", 2, 8).waits_for(1, 5) is None
     text = str(schedule)
     assert text.splitlines()[0] == "1f1b, 2 stages x 8 micro-batches (F: forward, B: backward)"
-    assert text.endswith("most micro-batches in flight per stage: 2, 1")
+    assert text.endswith("most micro-batches in flight per stage: 2, 1\nbubble (idle fraction): 0.111")
+
+
+@pytest.mark.parametrize("kind", SCHEDULES)
+@pytest.mark.parametrize("stages, micro_batches", [(4, 8), (2, 3), (4, 16), (3, 1)])
+def test_the_bubble_is_read_from_the_timeline(kind, stages, micro_batches):
+    """The idle fraction of the drawn timeline: (K - 1) / (M + K - 1) for GPipe and 1F1B (3/11 at K=4, M=8)."""
+    rows = Schedule(kind, stages, micro_batches).timeline()
+    assert len(rows) == 2 * (micro_batches + stages - 1)  # each stage runs its 2M passes in 2(M + K - 1) steps
+    bubble = Schedule(kind, stages, micro_batches).bubble
+    assert bubble == pytest.approx((stages - 1) / (micro_batches + stages - 1), abs=1e-12)
 
 
 def test_bad_schedules_are_refused_before_training():

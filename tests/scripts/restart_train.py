@@ -1,10 +1,12 @@
 """A worker of `paraml launch --max-restarts`: trains with checkpoint_dir and kills itself where it is told to.
 
 Usage: restart_train.py OUT_DIR [--epochs E] [--checkpoint-every N] [--kill RESTART:WORKER:STEP ...] [--pipeline]
+                        [--async]
 
 - Trains digits_model on the digits data with Parallel("multi_worker") and ``fit(checkpoint_dir=OUT_DIR/ckpt)``;
   ``--pipeline``: with Parallel("model_parallel", micro_batches=2) instead, each worker a 2-stage pipeline over its
   2 simulated devices, the workers its data-parallel copies.
+- ``--async``: ``fit(..., async_checkpoint=True)``, the checkpoints written in the background.
 - ``--kill R:W:S``: on run R (``PARAML_RESTART`` == R), worker W SIGKILLs itself right after global step S
   (counted from the start of training over all epochs, 1-based). Several may be given.
 - Writes ``OUT_DIR/pid-r{R}-w{W}`` (its PID), appends events to ``OUT_DIR/events.jsonl`` (start, first step, kill,
@@ -25,6 +27,7 @@ parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--checkpoint-every", type=int, default=None)
 parser.add_argument("--kill", action="append", default=[], help="RESTART:WORKER:STEP")
 parser.add_argument("--pipeline", action="store_true", help="model_parallel: a 2-stage pipeline per worker")
+parser.add_argument("--async", dest="background", action="store_true", help="fit(..., async_checkpoint=True)")
 args = parser.parse_args()
 
 RESTART = int(os.environ.get("PARAML_RESTART", "0"))
@@ -97,6 +100,7 @@ par.fit(
     callbacks=[faults],
     checkpoint_dir=os.path.join(args.out, "ckpt"),
     checkpoint_every=args.checkpoint_every,
+    async_checkpoint=args.background,
 )
 if par.is_chief:
     np.savez(os.path.join(args.out, "weights.npz"), *par.model.get_weights())

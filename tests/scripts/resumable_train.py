@@ -1,6 +1,6 @@
 """Trains on the digits data with checkpoint_dir; prints progress markers the crash test waits for.
 
-Usage: resumable_train.py CKPT_DIR OUT.npz [--slow-epoch N] [--save-loop] [--async]
+Usage: resumable_train.py CKPT_DIR OUT.npz [--slow-epoch N] [--save-loop]
 """
 
 import argparse
@@ -20,7 +20,6 @@ parser.add_argument("ckpt")
 parser.add_argument("out")
 parser.add_argument("--slow-epoch", type=int, default=-1)
 parser.add_argument("--save-loop", action="store_true")
-parser.add_argument("--async", dest="background", action="store_true", help="fit(..., async_checkpoint=True)")
 args = parser.parse_args()
 
 
@@ -39,15 +38,6 @@ if args.save_loop:  # save again and again; the test kills the process at some p
         par.save(args.ckpt, keep=2)
         print(f"saved {i}", flush=True)
 else:
-    par.fit(
-        x,
-        y,
-        batch_size=64,
-        epochs=5,
-        verbose=0,
-        callbacks=[Marker()],
-        checkpoint_dir=args.ckpt,
-        async_checkpoint=args.background,
-    )
+    par.fit(x, y, batch_size=64, epochs=5, verbose=0, callbacks=[Marker()], checkpoint_dir=args.ckpt)
     np.savez(args.out, *par.model.get_weights())
     print("finished", flush=True)

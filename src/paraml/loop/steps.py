@@ -20,6 +20,7 @@ replicas as Keras reduces them. With more than one replica that is not the one-d
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import warnings
@@ -141,8 +142,10 @@ class ReplicaStep:
             with backend.scope():
                 strategy = tf.distribute.get_strategy()
                 for v in backend.techniques.trained_variables(model):
-                    # Beside its variable (a stage's, a part's), as the optimizer's slots are.
-                    with strategy.extended.colocate_vars_with(v.value):
+                    # Beside its variable (a stage's, a part's), as the optimizer's slots are; a variable the strategy
+                    # did not make (ZeRO-3's, on its owner) gets the strategy's copy per replica
+                    beside = strategy.extended.variable_created_in_scope(v.value)
+                    with strategy.extended.colocate_vars_with(v.value) if beside else contextlib.nullcontext():
                         self.accumulators.append(
                             tf.Variable(
                                 tf.zeros(v.shape, v.dtype),

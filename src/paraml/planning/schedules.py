@@ -26,6 +26,7 @@ Example:
     6              B2
     7     B2
     most micro-batches in flight per stage: 2, 1
+    bubble (idle fraction): 0.250
 """
 
 from __future__ import annotations
@@ -130,6 +131,19 @@ class Schedule:
             rows.append(row)
         return rows
 
+    @property
+    def bubble(self) -> float:
+        """The idle fraction of the stages over the :meth:`timeline`: empty cells over all cells (each pass one step,
+        forward and backward alike). For GPipe and 1F1B it comes out as ``(K - 1) / (M + K - 1)``.
+
+        Example:
+            >>> round(Schedule("1f1b", stages=4, micro_batches=8).bubble, 4), round(3 / 11, 4)
+            (0.2727, 0.2727)
+        """
+        rows = self.timeline()
+        cells = len(rows) * self.stages
+        return sum(cell == "" for row in rows for cell in row) / cells
+
     def most_in_flight(self) -> list[int]:
         """Per stage, the most micro-batches whose forward pass has run there and whose backward pass has not (the
         activations it holds at once), in :meth:`timeline`.
@@ -157,4 +171,5 @@ class Schedule:
         title = f"{self.kind}, {self.stages} stages x {self.micro_batches} micro-batches (F: forward, B: backward)"
         flight = ", ".join(map(str, self.most_in_flight()))
         body = [line(header), line(["-" * w for w in widths]), *map(line, rows)]
-        return "\n".join([title, *body, f"most micro-batches in flight per stage: {flight}"])
+        ending = [f"most micro-batches in flight per stage: {flight}", f"bubble (idle fraction): {self.bubble:.3f}"]
+        return "\n".join([title, *body, *ending])
