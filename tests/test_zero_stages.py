@@ -209,3 +209,55 @@ def test_shard_parameters_peaks_lower_than_shard_optimizer_by_more_than_the_para
     assert (zero1["peak"] - zero3["peak"]) / parameters >= 1.5, (zero1["peak"], zero3["peak"])
     held = [b["parameters"] for b in zero3["by_device"].values()]
     assert sum(held) == parameters and max(held) <= parameters / 4 + (1024 * 1024 + 1024) * 4
+
+
+@pytest.mark.parametrize("option", ["shard_gradients", "shard_parameters"])
+def test_sharded_training_equals_plain_keras_fit(option):
+    """Against plain Keras ``model.fit`` on one device, from the same initial weights, in the same order."""
+    x, y = data(tokens=False)
+    sharded = Parallel("mirrored", devices=4, seed=2, **{option: True})
+    sharded.build(mlp, optimizer="adam", loss=LOSS)
+    keras_model = mlp()
+    keras_model.set_weights(sharded.model.get_weights())
+    keras_model.compile(optimizer="adam", loss=LOSS)
+    want = keras_model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history["loss"]
+    got = sharded.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for mine, theirs in zip(sharded.model.get_weights(), keras_model.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_a_models_own_train_step_with_a_layer_loss_trains_sharded_as_mirrored():
+    """A model's own ``train_step`` calls ``self.optimizer`` (the sharded one) and ``compute_loss`` (with an activity
+    regularizer's loss): ZeRO-3 equals unsharded ``mirrored``."""
+    import warnings
+
+    import tensorflow as tf
+
+    import paraml
+
+    class OwnStep(keras.Model):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables))
+            return {"loss": loss}
+
+    def own() -> keras.Model:
+        inputs = keras.Input((12,))
+        hidden = keras.layers.Dense(16, activation="relu", activity_regularizer=keras.regularizers.L2(1e-2))(inputs)
+        return OwnStep(inputs, keras.layers.Dense(3)(hidden))
+
+    x, y = data(tokens=False)
+    found = []
+    for options in ({}, {"shard_parameters": True}):
+        par = Parallel("mirrored", devices=2, seed=0, **options)
+        par.build(own, optimizer="adam", loss=LOSS)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", paraml.OwnStepWarning)  # the same step under both: compared as it is
+            history = par.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        found.append((history.history["loss"], par.model.get_weights()))
+    np.testing.assert_allclose(found[1][0], found[0][0], rtol=1e-6)
+    for got, want in zip(found[1][1], found[0][1], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)

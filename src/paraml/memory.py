@@ -277,6 +277,8 @@ def estimate_memory(
             f"zero_stage must be 1, 2 or 3 (what shard_optimizer, shard_gradients, shard_parameters "
             f"shard), got {zero_stage!r}"
         )
+    if not isinstance(remat, bool):
+        raise ValueError(f"remat must be True or False, got {remat!r}")
     owned_parameters = zero_stage == 3 and optimizer_shards > 1
     remat = remat or owned_parameters  # ZeRO-3 reads each unit's weights again in its recomputed backward pass
     if check_int("tensor_parallel", tensor_parallel) > 1:
@@ -291,8 +293,6 @@ def estimate_memory(
             f"parameters, gradients and slots of the first of {tensor_parallel} tensor-parallel devices (its whole "
             "layers and the largest part of each split one); activations counted whole"
         )
-    if not isinstance(remat, bool):
-        raise ValueError(f"remat must be True or False, got {remat!r}")
     if owned_parameters and tensor_parallel > 1:
         raise ValueError("zero_stage=3 (shard_parameters) and tensor_parallel: choose one (no backend does both)")
     if observation is None:

@@ -23,6 +23,7 @@ from paraml.cluster.detect import setup_tf_config
 from paraml.devices import canonical_device, resolve_devices
 from paraml.internals import shift_collective_keys
 from paraml.parallelism.zero import owned_variables
+from paraml.planning.plan import zero_stage
 
 __all__ = [
     "CentralStorageBackend",
@@ -30,11 +31,9 @@ __all__ = [
     "MultiWorkerBackend",
     "SingleBackend",
     "StrategyBackend",
-    "ZERO_OPTIONS",
     "mirrored_strategy",
     "multi_worker_strategy",
     "workers",
-    "zero_stage",
 ]
 
 
@@ -86,32 +85,6 @@ class StrategyBackend(Backend):
         # One row per replica, worker after worker: keep each worker's first.
         per_worker = int(self.strategy.num_replicas_in_sync) // self.topology.num_workers
         return self.strategy.gather(per_replica, axis=0)[::per_worker]
-
-
-#: The options that shard a data-parallel model's state per replica, by the ZeRO stage each turns on.
-ZERO_OPTIONS = {"shard_optimizer": 1, "shard_gradients": 2, "shard_parameters": 3}
-
-
-def zero_stage(options: Mapping[str, Any]) -> int:
-    """The ZeRO stage ``options`` ask for (0: none): the highest of :data:`ZERO_OPTIONS` set True (a stage shards what
-    the ones below it shard).
-
-    Raises:
-        ValueError: for an option that is not True or False, or one set False below a higher one set True.
-    """
-    given = {name: options[name] for name in ZERO_OPTIONS if name in options}
-    for name, value in given.items():
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be True or False, got {value!r}")
-    stage = max((ZERO_OPTIONS[name] for name, value in given.items() if value), default=0)
-    for name, value in given.items():
-        if value is False and ZERO_OPTIONS[name] < stage:
-            higher = next(n for n, s in ZERO_OPTIONS.items() if s == stage)
-            raise ValueError(
-                f"{higher}=True shards the optimizer state and what the stages below it shard; {name}=False "
-                f"contradicts it: leave {name} out"
-            )
-    return stage
 
 
 @register("single")

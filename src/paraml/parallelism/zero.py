@@ -55,6 +55,7 @@ from paraml.internals import (
     resource_variable,
 )
 from paraml.planning.footprint import owners
+from paraml.planning.plan import zero_option
 
 if TYPE_CHECKING:  # pragma: no cover
     import keras
@@ -277,8 +278,8 @@ def sharded_optimizer(
     base = type(optimizer)
     if not has_distributed_update_step(base):
         raise ValueError(
-            f"{_OPTION[stage]}=True cannot shard {base.__name__}: it does not update its variables one by one "
-            f"through the strategy as Keras' TensorFlow optimizers do; use {_OPTION[stage]}=False"
+            f"{zero_option(stage)}=True cannot shard {base.__name__}: it does not update its variables one by one "
+            f"through the strategy as Keras' TensorFlow optimizers do; use {zero_option(stage)}=False"
         )
     local = len(devices)
     first = worker_index * local  # this worker's first replica, globally
@@ -292,15 +293,15 @@ def sharded_optimizer(
         )
 
     def add_variable_from_reference(self: Any, reference_variable: Any, *args: Any, **kwargs: Any) -> Any:
-        owner = owner_of.get(id(getattr(reference_variable, "value", reference_variable)))
+        key = id(getattr(reference_variable, "value", reference_variable))
+        owner, name = owner_of.get(key), kwargs.get("name", args[0] if args else None)
         # EMA's averages (`use_ema=True`, named "average") are updated by every replica outside the per-variable
         # update: one copy on its owner would be updated once per replica. They stay as Keras makes them.
-        if owner is None or kwargs.get("name", args[0] if args else None) == "average":
+        if owner is None or name == "average":
             return base.add_variable_from_reference(self, reference_variable, *args, **kwargs)
         here = first <= owner < first + local
-        name = kwargs.get("name", args[0] if args else None)
         with tf.variable_creator_scope(_plain_variable_on(devices[owner - first if here else 0])):
-            if here and id(getattr(reference_variable, "value", reference_variable)) in in_place:
+            if here and key in in_place:
                 # Keras' TensorFlow optimizer colocates a slot with a variable only the strategy made: Keras' own
                 # slot (its shape, dtype, initializer and name) made here instead
                 initializer = kwargs.get("initializer", args[1] if len(args) > 1 else "zeros")
@@ -381,10 +382,6 @@ def sharded_optimizer(
         },
     )
     return sharded.from_config(optimizer.get_config())
-
-
-#: The option that turns each ZeRO stage on (what an error about it names).
-_OPTION = {1: "shard_optimizer", 2: "shard_gradients", 3: "shard_parameters"}
 
 
 def _one(distribution: Any, value: Any) -> Any:

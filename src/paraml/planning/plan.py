@@ -20,7 +20,7 @@ Plain Python: importing it loads no TensorFlow.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -28,7 +28,7 @@ from paraml.checks import check_int
 from paraml.planning.partition import PartitionPlan, Stage
 from paraml.planning.schedules import Schedule
 
-__all__ = ["DeviceMesh", "Layout", "ParallelPlan"]
+__all__ = ["ZERO_OPTIONS", "DeviceMesh", "Layout", "ParallelPlan", "zero_option", "zero_stage"]
 
 
 @dataclass(frozen=True)
@@ -119,13 +119,40 @@ class DeviceMesh:
         return tuple(tuple(group[0] for group in replica) for replica in self.devices)
 
 
-#: What each ZeRO stage keeps on one owner replica per trainable variable, in words (``ParallelPlan.zero_stage``).
-_ZERO_STAGES = {
-    1: "each variable's optimizer slots on one owner replica (shard_optimizer)",
-    2: "each variable's optimizer slots and reduced gradient on one owner replica (shard_gradients)",
-    3: "each variable, its optimizer slots and its reduced gradient on one owner replica, read where it is used "
-    "(shard_parameters)",
+#: The options that shard a data-parallel model's state per replica, by the ZeRO stage each turns on
+#: (``ParallelPlan.zero_stage``; :mod:`paraml.parallelism.zero`), and what each stage keeps on one owner, in words.
+ZERO_OPTIONS = {"shard_optimizer": 1, "shard_gradients": 2, "shard_parameters": 3}
+_ZERO_WORDS = {
+    1: "each variable's optimizer slots on one owner replica",
+    2: "each variable's optimizer slots and reduced gradient on one owner replica",
+    3: "each variable, its optimizer slots and its reduced gradient on one owner replica, read where it is used",
 }
+
+
+def zero_option(stage: int) -> str:
+    """The option that turns ZeRO ``stage`` on (1: ``"shard_optimizer"``, 2: ..., 3: ...)."""
+    return next(name for name, s in ZERO_OPTIONS.items() if s == stage)
+
+
+def zero_stage(options: Mapping[str, Any]) -> int:
+    """The ZeRO stage ``options`` ask for (0: none): the highest of :data:`ZERO_OPTIONS` set True (a stage shards what
+    the ones below it shard).
+
+    Raises:
+        ValueError: for an option that is not True or False, or one set False below a higher one set True.
+    """
+    given = {name: options[name] for name in ZERO_OPTIONS if name in options}
+    for name, value in given.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+    stage = max((ZERO_OPTIONS[name] for name, value in given.items() if value), default=0)
+    for name, value in given.items():
+        if value is False and ZERO_OPTIONS[name] < stage:
+            raise ValueError(
+                f"{zero_option(stage)}=True shards the optimizer state and what the stages below it shard; "
+                f"{name}=False contradicts it: leave {name} out"
+            )
+    return stage
 
 
 @dataclass(frozen=True)
@@ -184,6 +211,7 @@ class ParallelPlan:
         if self.remat:
             lines.append("remat: every unit recomputes its activations in the backward pass")
         if self.zero_stage:
-            lines.append(f"ZeRO-{self.zero_stage}: {_ZERO_STAGES[self.zero_stage]}")
+            words = _ZERO_WORDS[self.zero_stage]
+            lines.append(f"ZeRO-{self.zero_stage}: {words} ({zero_option(self.zero_stage)})")
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
