@@ -536,7 +536,8 @@ class Parallel:
         parts, why = self.num_replicas, ["remat=True"] if self.remat else []
         if plan is not None and plan.micro_batches > 1:
             parts *= plan.micro_batches
-            why += ["schedule='1f1b'"] if plan.schedule is not None and plan.schedule.kind == "1f1b" else []
+            kind = plan.schedule.kind if plan.schedule is not None else "gpipe"
+            why += [f"schedule={kind!r}"] if kind != "gpipe" else []
         if 0 < tail < parts and stateful:
             raise ValueError(
                 f"strategy {self.strategy!r}{' with ' + ' and '.join(why) if why else ''}: the last batch has {tail} "

@@ -76,16 +76,18 @@ class ModelParallelBackend(StrategyBackend):
 
     Options: ``partition`` (``"balanced"``: minimise the largest stage's parameters + gradients + optimizer slots +
     activations; ``"even"``: the same number of units per stage; a list of lists of unit names; a list of stage
-    start indices), ``micro_batches`` (default 1), ``batch_size`` (the batch the activations are estimated for when
-    planning, default 32: the training batch is not known at build), ``sample`` (a batch of inputs, any number of
-    rows: the sequence length or image size the activations are measured at, when the model leaves them unknown),
-    ``device_memory`` (``"16GiB"``, bytes, or None: what TensorFlow tells; a unit or a stage larger than that is
-    refused at build) and ``data_parallel`` (default 1: R copies of the pipeline, each on ``devices / R`` devices and
-    its slice of the global batch, their gradients all-reduced) and ``tensor_parallel`` (default 1: each stage on T
-    devices, its Dense, attention and Embedding layers split over them, :mod:`paraml.parallelism.tensor_parallel`;
-    devices =
-    data_parallel x stages x T). In a cluster of several workers (``TF_CONFIG`` or a scheduler's variables) each
-    worker runs one pipeline over its devices and the workers are its copies.
+    start indices), ``micro_batches`` (default 1), ``schedule`` (the order of the micro-batches' passes,
+    :mod:`paraml.planning.schedules`: ``"gpipe"`` (default), ``"1f1b"``, ``"interleaved"`` with ``virtual_stages``
+    model chunks per device (default 2; chunk c on device c mod stages), ``"zero_bubble"``), ``batch_size`` (the
+    batch the activations are estimated for when planning, default 32: the training batch is not known at build),
+    ``sample`` (a batch of inputs, any number of rows: the sequence length or image size the activations are
+    measured at, when the model leaves them unknown), ``device_memory`` (``"16GiB"``, bytes, or None: what
+    TensorFlow tells; a unit or a stage larger than that is refused at build) and ``data_parallel`` (default 1: R
+    copies of the pipeline, each on ``devices / R`` devices and its slice of the global batch, their gradients
+    all-reduced) and ``tensor_parallel`` (default 1: each stage on T devices, its Dense, attention and Embedding
+    layers split over them, :mod:`paraml.parallelism.tensor_parallel`; devices = data_parallel x stages x T). In a
+    cluster of several workers (``TF_CONFIG`` or a scheduler's variables) each worker runs one pipeline over its
+    devices and the workers are its copies.
 
     >>> import keras
     >>> from paraml import Parallel
@@ -100,6 +102,7 @@ class ModelParallelBackend(StrategyBackend):
         "partition",
         "micro_batches",
         "schedule",
+        "virtual_stages",
         "device_memory",
         "batch_size",
         "sample",
@@ -123,6 +126,9 @@ class ModelParallelBackend(StrategyBackend):
         self.batch_size: int = check_int("batch_size", options.get("batch_size", PLANNING_BATCH))
         self.sample: Any = options.get("sample")
         schedule = check_choice("schedule", options.get("schedule", "gpipe"), SCHEDULES)
+        virtual_stages = options.get("virtual_stages")
+        if virtual_stages is not None:
+            check_int("virtual_stages", virtual_stages)
         memory = options.get("device_memory")
         self.data_parallel: int = check_int("data_parallel", options.get("data_parallel", 1))
         self.tensor_parallel: int = check_int("tensor_parallel", options.get("tensor_parallel", 1))
@@ -138,22 +144,21 @@ class ModelParallelBackend(StrategyBackend):
         super().__init__(devices, **options)
         self.partition = partition
         self.device_memory: int | None = None if memory is None else parse_size(memory)
-        stages = len(self.grid[0])
         #: The pipeline schedule (:mod:`paraml.planning.schedules`): printable, and the rule the stages' gates follow.
-        self.schedule = Schedule(schedule, stages, self.micro_batches)
+        self.schedule = Schedule(schedule, len(self.grid[0]), self.micro_batches, virtual_stages)
         #: Runs each replica's batch through the stages in micro-batches, in the schedule's order.
         self.pipeline = Pipeline(
             self.schedule,
             skips_empty=lambda: self.capabilities.skips_empty_replicas,
             trained_variables=lambda model: self.techniques.trained_variables(model),
         )
-        if schedule == "1f1b":
+        if schedule != "gpipe":
             # Each micro-batch's gradient is taken on its own; a gate cannot reach into a tf.cond's branch.
             self.capabilities = replace(
                 self.capabilities,
                 skips_empty_replicas=False,
-                loss_scaling_problem="schedule='1f1b' takes each micro-batch's gradient before the loss scale "
-                "applies, so float16 gradients could underflow; use schedule='gpipe'",
+                loss_scaling_problem=f"schedule={schedule!r} takes each micro-batch's gradient before the loss "
+                "scale applies, so float16 gradients could underflow; use schedule='gpipe'",
             )
         if self.micro_batches > 1:
             self.capabilities = replace(
@@ -236,7 +241,9 @@ class ModelParallelBackend(StrategyBackend):
         self.apply_plan(model, plan, gate=self.pipeline.gate)
         by_name = dict(model_units(model))
         self.placement = [
-            (name, by_name[name], self.grid[0][stage.index]) for stage in plan.stages for name in stage.layers
+            (name, by_name[name], self.grid[0][self.schedule.device_of(stage.index)])
+            for stage in plan.stages
+            for name in stage.layers
         ]
         self.pipeline.variable_stage = {  # the parts of split variables by their own
             id(v.value): stage.index
@@ -276,7 +283,7 @@ class ModelParallelBackend(StrategyBackend):
         plan = self.plan
         if plan is None or plan.partition is None:
             return "\n".join(lines)
-        lines.append(plan.partition.describe(devices))
+        lines.append(plan.partition.describe([devices[self.schedule.device_of(s.index)] for s in plan.stages]))
         if self.tensor_parallel > 1:
             lines.append(
                 f"(per device of a stage: a 1/{self.tensor_parallel} share of its split layers, its whole layers; "

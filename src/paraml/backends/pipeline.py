@@ -1,15 +1,20 @@
-"""A replica's batch pipelined through the stages in micro-batches, in the schedule's order (GPipe or 1F1B).
+"""A replica's batch pipelined through the stages in micro-batches, in the schedule's order.
 
 All micro-batches of a step are in one ``tf.function``. TensorFlow's dataflow executor starts each op when its inputs
-are ready, which yields the GPipe schedule without a hand-written scheduler. For 1F1B each micro-batch's gradient is
-taken as soon as its loss exists, and each stage's forward pass waits (a control dependency, :meth:`Pipeline.gate`)
-for the backward pass :meth:`paraml.planning.schedules.Schedule.waits_for` names; the replica's tape sees the summed
-gradients through a surrogate term, so the loop and the backend contract stay as they are.
+are ready, which yields the GPipe schedule without a hand-written scheduler. For the other schedules (1F1B,
+interleaved, zero-bubble) each micro-batch's gradient is taken as soon as its loss exists, and each stage's forward
+pass waits (a control dependency, :meth:`Pipeline.gate`) for the backward passes
+:meth:`paraml.planning.schedules.Schedule.waits_for` names; the replica's tape sees the summed gradients through a
+surrogate term, so the loop and the backend contract stay as they are.
+
+A stage's backward pass is the group of its gradient ops: under zero-bubble, ``B`` is its inputs' gradients (what the
+stage before it waits for) and ``W`` its weights' gradients, which then no forward pass waits for unless the
+schedule says so; under the others ``B`` is its weights' gradients, the end of its whole backward pass.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -40,20 +45,25 @@ class Pipeline:
         self.micro_batches = schedule.micro_batches
         self.skips_empty = skips_empty
         self.trained_variables = trained_variables
-        #: id of a trained variable's value -> the stage it lives on (1F1B groups each stage's backward pass).
+        #: id of a trained variable's value -> the stage it lives on (its gradients are that stage's backward pass).
         self.variable_stage: dict[int, int] = {}
-        # Under 1F1B, (stage, micro-batch) -> the ops of that micro-batch's backward pass on that stage, and the
-        # micro-batch being traced: a stage's forward pass waits for the backward pass the schedule names.
-        self._backward_done: dict[tuple[int, int], Any] = {}
+        # A pass ("B" or "W", stage, micro-batch) -> its ops, and the micro-batch being traced: a stage's forward pass
+        # waits for the passes the schedule names. Under zero-bubble, the inputs of each stage's units in the
+        # micro-batch being traced: their gradients are the stage's B pass.
+        self._backward_done: dict[tuple[str, int, int], Any] = {}
         self._tracing: int | None = None
+        self._inputs: dict[int, list[tf.Tensor]] = {}
 
-    def gate(self, stage: int) -> list[Any]:
-        """What ``stage``'s forward pass of the micro-batch being traced waits for (1F1B), or nothing."""
+    def gate(self, stage: int, inputs: Sequence[Any] = ()) -> list[Any]:
+        """What ``stage``'s forward pass of the micro-batch being traced waits for (the backward passes its schedule
+        runs before it on that device), or nothing; under zero-bubble ``inputs`` (a unit's) are kept, to take the
+        stage's input gradients apart from its weight gradients."""
         if self._tracing is None:
             return []
-        earlier = self.schedule.waits_for(stage, self._tracing)
-        done = self._backward_done.get((stage, earlier)) if earlier is not None else None
-        return [] if done is None else [done]
+        if self.schedule.kind == "zero_bubble":
+            self._inputs.setdefault(stage, []).extend(t for t in inputs if _differentiable(t))
+        done = (self._backward_done.get(earlier) for earlier in self.schedule.waits_for(stage, self._tracing))
+        return [d for d in done if d is not None]
 
     def _split(self, value: Any, rows: tf.Tensor) -> list[Any]:
         """``value`` (a structure of batch-major tensors, or None) as ``micro_batches`` parts of ``rows`` in all."""
@@ -118,7 +128,7 @@ class Pipeline:
         self, model: keras.Model, x: Any, y: Any, sample_weight: Any, objective: Objective, training: bool
     ) -> tuple[tf.Tensor, Any]:
         parts = self._parts(x, y, sample_weight)
-        if training and self.schedule.kind == "1f1b" and len(parts) > 1:
+        if training and self.schedule.kind != "gpipe" and len(parts) > 1:
             return self._one_forward_one_backward(model, parts, objective)
         y_pred, total = self._run(model, parts, training, objective)
         return total, y_pred
@@ -127,12 +137,12 @@ class Pipeline:
     def _one_forward_one_backward(
         self, model: keras.Model, parts: list[tuple[Any, ...]], objective: Objective
     ) -> tuple[tf.Tensor, Any]:
-        """The loss parts of a training batch whose micro-batches each run forward and then backward, in the 1F1B
-        order (:mod:`paraml.planning.schedules`): each micro-batch's gradient is taken as soon as its loss exists,
-        and each
-        stage's forward pass of micro-batch ``i`` waits (a control dependency) for the backward pass the schedule
-        names. The caller's tape sees one op whose gradient is the sum of the micro-batches' gradients, scaled by what
-        flows back into the loss (the replica's division by the global batch, a loss scale)."""
+        """The loss parts of a training batch whose micro-batches each run forward and then backward, in the
+        schedule's order (:mod:`paraml.planning.schedules`): each micro-batch's gradient is taken as soon as its loss
+        exists, and each stage's forward pass of micro-batch ``i`` waits (a control dependency) for the backward
+        passes the schedule names. The caller's tape sees one op whose gradient is the sum of the micro-batches'
+        gradients, scaled by what flows back into the loss (the replica's division by the global batch, a loss
+        scale)."""
         variables = self.trained_variables(model)
         y_preds: list[Any] = []
         masks: list[list[Any]] = []
@@ -141,7 +151,7 @@ class Pipeline:
         for i, (x_part, y_part, w_part) in enumerate(parts):
             if tf.nest.flatten(x_part)[0].shape[0] == 0:
                 continue
-            self._tracing = i
+            self._tracing, self._inputs = i, {}
             try:
                 y_pred = model(x_part, training=True)
                 part = objective(x_part, y_part, y_pred, w_part)
@@ -150,23 +160,17 @@ class Pipeline:
             mask = keras_masks(y_pred)
             if any(m is not None for m in mask):
                 raise ValueError(
-                    "schedule='1f1b' takes each micro-batch's gradient before the next one's loss exists, but a loss "
-                    "over masked tokens is a mean over the whole batch's tokens; use schedule='gpipe'"
+                    f"schedule={self.schedule.kind!r} takes each micro-batch's gradient before the next one's loss "
+                    "exists, but a loss over masked tokens is a mean over the whole batch's tokens; use "
+                    "schedule='gpipe'"
                 )
-            # tf.gradients places each gradient op on its forward op's device (a tape's go to the default device)
-            grads = tf.gradients(part[0], variables)
-            by_stage: dict[int, list[Any]] = {}
-            for g, v in zip(grads, variables):
-                stage = self.variable_stage.get(id(v.value))
-                if g is not None and stage is not None:
-                    by_stage.setdefault(stage, []).append(_values(g))
-            for stage, done in by_stage.items():
-                self._backward_done[(stage, i)] = tf.group(*done)
+            grads = self._backward(part[0], variables, i)
             summed = grads if summed is None else [_add(a, g) for a, g in zip(summed, grads)]
             totals.append(part)
             y_preds.append(y_pred)
             masks.append(mask)
         self._backward_done.clear()
+        self._inputs = {}
         # The caller's tape differentiates this: the loss parts' value, with the summed gradients as their gradient
         # (a sum of each variable times its gradient, held constant), so what flows back into the loss (the replica's
         # division by the global batch, a loss scale) scales them.
@@ -174,6 +178,35 @@ class Pipeline:
         surrogate = tf.add_n([_dot(g, v) for g, v in zip(summed or [], variables) if g is not None] or [tf.zeros(())])
         total += tf.stack([surrogate - tf.stop_gradient(surrogate), 0.0, 0.0])
         return total, concat_with_masks(y_preds, masks)
+
+    def _backward(self, loss: tf.Tensor, variables: list[Any], micro_batch: int) -> list[Any]:
+        """``loss``'s gradients for ``variables``, each stage's backward pass of ``micro_batch`` kept as the passes
+        the gates wait for (zero-bubble: the gradients of its units' inputs as ``B``, of its weights as ``W``)."""
+        inputs = [(stage, t) for stage, tensors in self._inputs.items() for t in tensors]
+        # tf.gradients places each gradient op on its forward op's device (a tape's go to the default device)
+        grads = tf.gradients(loss, variables + [t for _, t in inputs])
+        weights: dict[int, list[Any]] = {}
+        for g, v in zip(grads, variables):
+            stage = self.variable_stage.get(id(v.value))
+            if g is not None and stage is not None:
+                weights.setdefault(stage, []).append(_values(g))
+        split = self.schedule.kind == "zero_bubble"
+        for stage, done in weights.items():
+            self._backward_done[("W" if split else "B", stage, micro_batch)] = tf.group(*done)
+        if split:
+            found: dict[int, list[Any]] = {}
+            for (stage, _), g in zip(inputs, grads[len(variables) :]):
+                if g is not None:
+                    found.setdefault(stage, []).append(_values(g))
+            for stage in weights.keys() | found.keys():  # no input gradient seen (remat hides them): the whole pass
+                done = found.get(stage) or weights[stage]
+                self._backward_done[("B", stage, micro_batch)] = tf.group(*done)
+        return grads[: len(variables)]
+
+
+def _differentiable(value: Any) -> bool:
+    """Whether ``value`` is a traced floating-point tensor (a unit's input whose gradient a backward pass computes)."""
+    return isinstance(value, tf.Tensor) and value.dtype.is_floating
 
 
 def _values(gradient: Any) -> Any:

@@ -91,9 +91,8 @@ def place_model(
     if tensor_plan is not None:  # a stage's device holds the largest part of each split variable (activations: whole)
         saved = {u.name: tensor_plan.saved_bytes(u.layer) for u in observation.units}
         costs = [replace(c, param_bytes=c.param_bytes - saved.get(c.name, 0)) for c in costs]
-    devices = b.stage_devices
-    partition = make_plan(
-        costs, b.partition, len(devices), slots, in_flight=held.in_flight, output_bytes=held.output_bytes
+    partition = make_plan(  # one stage per model chunk: more than the devices under an interleaved schedule
+        costs, b.partition, b.schedule.chunks, slots, in_flight=held.in_flight, output_bytes=held.output_bytes
     )
     notes += _check_fits(b, partition, costs, slots, held)
     if held.batch_bytes:
@@ -102,10 +101,9 @@ def place_model(
             f"({format_bytes(held.batch_bytes)})"
         )
 
-    stage_device = {name: devices[s.index] for s in partition.stages for name in s.layers}
+    device_of_unit = {name: b.schedule.device_of(s.index) for s in partition.stages for name in s.layers}
     owner = {id(v.value): u.name for u in observation.units for v in u.layer.variables}
-    placed_on = [stage_device.get(owner.get(id(v)), devices[0]) for v in created]
-    stage_of = {device: index for index, device in enumerate(devices)}
+    placed_on = [device_of_unit.get(owner.get(id(v)), 0) for v in created]  # position along the pipeline
     axes = {} if tensor_plan is None else tensor_plan.axes
     split_axis = {id(v.value): axes[id(v)] for v in probe.weights if id(v) in axes}
     count = iter(range(len(placed_on) + 1))
@@ -118,7 +116,7 @@ def place_model(
         index = next(count)
         if index >= len(placed_on):
             raise ValueError(different.format(f"more than the {len(placed_on)} variables of the first"))
-        stage = stage_of[placed_on[index]]
+        stage = placed_on[index]
         axis = split_axis.get(id(created[index]))
         if axis is not None:
             return _split_variable(b, next_creator, kwargs, stage, tuple(created[index].shape), axis)
@@ -189,7 +187,10 @@ def _check_fits(b: Any, plan: PartitionPlan, costs: list[LayerCost], slots: int,
     if memory is None:
         known = [device_memory(d) for d in devices]
         memory = min(known) if known and all(m is not None for m in known) else None
-    share = sum(s.peak_bytes for s in plan.stages) / len(devices)
+    per_device = [0] * len(devices)  # a device runs several stages (model chunks) under an interleaved schedule
+    for stage in plan.stages:
+        per_device[b.schedule.device_of(stage.index)] += stage.peak_bytes
+    share = sum(per_device) / len(devices)
     name, largest = max(sizes, key=lambda item: item[1])
     micro = b.schedule.micro_batches
     held_here = flight[stage_of[name]]
@@ -213,9 +214,10 @@ def _check_fits(b: Any, plan: PartitionPlan, costs: list[LayerCost], slots: int,
             "one stage's devices. Split its Dense, attention and Embedding layers over several devices with "
             "tensor_parallel=2 (or more), or use devices with more memory"
         )
-    if memory is not None and plan.largest_stage_bytes > memory:
+    if memory is not None and max(per_device) > memory:
+        what = "the largest stage" if len(plan.stages) == len(devices) else "the device with the most model chunks"
         raise ValueError(
-            f"the largest stage needs {format_bytes(plan.largest_stage_bytes)}, more than a device's "
+            f"{what} needs {format_bytes(max(per_device))}, more than a device's "
             f"{format_bytes(memory)}: the model does not fit on {len(devices)} device(s); use more devices"
             + (
                 " (or schedule='1f1b' with micro_batches > 1)"

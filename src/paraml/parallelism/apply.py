@@ -8,8 +8,10 @@ order (each later one wraps the earlier ones, so the order is the meaning):
    variable once, on its owner replica). Nothing here moves them.
 1. **Tensor splits**: each split layer's ``call`` computes on its parts, on its stage's tensor-shard devices. First,
    because it replaces the layer's own computation.
-2. **Stage placement**: each unit's ``call`` runs under its stage's device (and, under 1F1B, after the backward pass
-   the schedule names). It wraps 1, so a split layer's whole-tensor ops run on its stage too.
+2. **Stage placement**: each unit's ``call`` runs under its stage's device (and, under a schedule other than GPipe,
+   after the backward passes the schedule names). It wraps 1, so a split layer's whole-tensor ops run on its stage
+   too. Under an interleaved schedule there are more stages (model chunks) than devices: stage ``s`` runs on the
+   mesh's stage ``s % stages``.
 3. **Recompute** (``remat``): each unit's ``call`` under ``tf.recompute_grad``. It wraps 2, so the recompute runs on
    the unit's stage.
 4. At compile, through the returned :class:`AppliedPlan`: **sharded model state** (ZeRO-1 to 3) and the slots of a
@@ -22,7 +24,7 @@ imports no technique.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -35,8 +37,9 @@ from paraml.planning.plan import ParallelPlan
 
 __all__ = ["AppliedPlan", "apply_plan", "current_replica"]
 
-#: ``gate(stage)``: what ``stage``'s forward pass of the micro-batch being traced waits for (a pipeline schedule).
-Gate = Callable[[int], list[Any]]
+#: ``gate(stage, inputs)``: what ``stage``'s forward pass of the micro-batch being traced waits for (a pipeline
+#: schedule); ``inputs`` are the unit's flattened arguments (the zero-bubble schedule takes their gradients apart).
+Gate = Callable[[int, Sequence[Any]], list[Any]]
 
 
 def current_replica() -> int:
@@ -49,7 +52,7 @@ def current_replica() -> int:
 def apply_plan(model: keras.Model, plan: ParallelPlan, gate: Gate | None = None) -> AppliedPlan:
     """Apply ``plan``'s techniques to ``model`` (built, its variables already placed) in the module's order.
 
-    ``gate`` is the pipeline's wait (:meth:`paraml.backends.model_parallel.ModelParallelBackend`'s 1F1B gates).
+    ``gate`` is the pipeline's wait (:meth:`paraml.backends.pipeline.Pipeline.gate`: the schedule's order).
     """
     stage_of_unit = plan.stage_of()
     units = model_units(model) if stage_of_unit else []
@@ -84,7 +87,8 @@ def _run_on_stage(layer: keras.layers.Layer, plan: ParallelPlan, stage: int, gat
 
     def call(*args: Any, **kwargs: Any) -> Any:
         device = plan.mesh.stage_group(current_replica(), stage)[0]
-        with tf.device(device), tf.control_dependencies(gate(stage) if gate is not None else []):
+        waits = gate(stage, tf.nest.flatten((args, kwargs))) if gate is not None else []
+        with tf.device(device), tf.control_dependencies(waits):
             return original(*args, **kwargs)
 
     layer.call = call

@@ -111,8 +111,11 @@ class DeviceMesh:
         return tuple(d for replica in self.devices for group in replica for d in group)
 
     def stage_group(self, replica: int, stage: int) -> tuple[str, ...]:
-        """The tensor-shard devices of ``stage`` in this worker's replica ``replica``."""
-        return self.devices[replica % len(self.devices)][stage]
+        """The tensor-shard devices of ``stage`` in this worker's replica ``replica``. Under an interleaved schedule
+        a pipeline has more stages (model chunks) than devices: stage ``s`` runs on the mesh's stage ``s % stages``.
+        """
+        pipeline = self.devices[replica % len(self.devices)]
+        return pipeline[stage % len(pipeline)]
 
     def first_devices(self) -> tuple[tuple[str, ...], ...]:
         """``[r][s]``: the first device of each stage of each replica (where a stage's whole layers live)."""
@@ -202,7 +205,7 @@ class ParallelPlan:
         """The plan in words: the layout, then each technique the plan uses, one line (or table) each."""
         lines = [f"plan: {self.layout}"]
         if self.partition is not None:
-            lines.append(self.partition.describe(tuple(group[0] for group in self.mesh.devices[0])))
+            lines.append(self.partition.describe([self.mesh.stage_group(0, s.index)[0] for s in self.stages]))
             lines += [f"stage {s.index} units: {', '.join(s.layers)}" for s in self.partition.stages]
         if self.splits is not None:
             lines.append(self.splits.describe())
