@@ -164,7 +164,7 @@ class Pipeline:
                     "exists, but a loss over masked tokens is a mean over the whole batch's tokens; use "
                     "schedule='gpipe'"
                 )
-            grads = self._backward(part[0], variables, i)
+            grads = self._backward(part[0], variables, i, given=tf.nest.flatten(x_part))
             summed = grads if summed is None else [_add(a, g) for a, g in zip(summed, grads)]
             totals.append(part)
             y_preds.append(y_pred)
@@ -179,10 +179,13 @@ class Pipeline:
         total += tf.stack([surrogate - tf.stop_gradient(surrogate), 0.0, 0.0])
         return total, concat_with_masks(y_preds, masks)
 
-    def _backward(self, loss: tf.Tensor, variables: list[Any], micro_batch: int) -> list[Any]:
+    def _backward(self, loss: tf.Tensor, variables: list[Any], micro_batch: int, given: list[Any]) -> list[Any]:
         """``loss``'s gradients for ``variables``, each stage's backward pass of ``micro_batch`` kept as the passes
-        the gates wait for (zero-bubble: the gradients of its units' inputs as ``B``, of its weights as ``W``)."""
-        inputs = [(stage, t) for stage, tensors in self._inputs.items() for t in tensors]
+        the gates wait for (zero-bubble: the gradients of its units' inputs as ``B``, of its weights as ``W``).
+        ``given`` are the micro-batch's own inputs, whose gradients nobody needs."""
+        inputs = [
+            (stage, t) for stage, tensors in self._inputs.items() for t in tensors if not any(t is g for g in given)
+        ]
         # tf.gradients places each gradient op on its forward op's device (a tape's go to the default device)
         grads = tf.gradients(loss, variables + [t for _, t in inputs])
         weights: dict[int, list[Any]] = {}
