@@ -24,7 +24,7 @@ from paraml.backends.base import Backend
 from paraml.checks import check_int, check_verbose, did_you_mean
 from paraml.devices import no_gpu_reason
 from paraml.loop.batches import GlobalBatches, global_batches, split_validation, zeros_like_spec
-from paraml.loop.checkpoint import Checkpointing, CheckpointState, restore_checkpoint, save_checkpoint
+from paraml.loop.checkpoint import Checkpointing, CheckpointState, restore_checkpoint, save_checkpoint, workers_of
 from paraml.loop.compiling import (
     MODEL_DEFAULT,
     check_compile_names,
@@ -574,8 +574,9 @@ class Parallel:
         """Save weights, optimizer state, the epochs done and the shuffling seed into the directory ``path``.
 
         The write is atomic (a crash during ``save`` leaves the previous checkpoint readable), in TensorFlow's
-        checkpoint format, and restores under any backend. Under ``multi_worker`` every worker calls it, only the
-        chief's copy is kept, and every worker returns once it is complete. Returns the new checkpoint's folder.
+        checkpoint format, and restores under any backend. In a cluster (``multi_worker``) every worker calls it and
+        writes its own shard of the checkpoint (the tensors it owns, its optimizer slots as they are: no worker gathers
+        the whole state), and every worker returns once it is complete. Returns the new checkpoint's folder.
         """
         trainer = self._ready("save")
         state = CheckpointState(self._epochs_done, 0, self.seed or 0)
@@ -587,6 +588,7 @@ class Parallel:
             keep=keep,
             write=self.is_chief,
             techniques=self.backend.techniques,
+            workers=workers_of(trainer.backend),
         )
         if self.num_workers > 1:  # a collective: the others wait for the chief's write (they may restore it next)
             trainer.backend.across_workers(tf.constant(0))

@@ -8,6 +8,10 @@ Layout of a checkpoint directory::
 A save writes a new ``ckpt-N`` under a temporary name, renames it into place and only then points ``latest`` at it
 (write-then-rename, both atomic on POSIX). A crash at any moment leaves the previous checkpoint readable.
 
+In a cluster of several workers the checkpoint is sharded (:mod:`paraml.loop.shards`): each worker writes the tensors
+it owns into its own shard of the folder, in parallel, and the chief adds a small index before the rename; no worker
+gathers another's optimizer state, and a restore reads from each shard only what this worker holds.
+
 Variables are stored by their position in ``model.weights`` and ``optimizer.variables``, not by name: Keras numbers
 auto-named layers per process, and every backend builds the same model from the same ``model_fn``, so positions are
 what stays the same across backends and processes. Alongside: the epoch and step reached and the shuffling seed.
@@ -39,6 +43,7 @@ from paraml.checks import check_int
 from paraml.internals import optimizer_variable_list
 from paraml.loop.compiling import extra_optimizers
 from paraml.loop.preemption import Preempted, PreemptionGuard
+from paraml.loop.shards import ShardIndex, Workers, owners, read_index, shard_folder, wait_for_shards, write_mark
 
 if TYPE_CHECKING:  # pragma: no cover
     from paraml.loop.training import Trainer
@@ -48,11 +53,13 @@ __all__ = [
     "CheckpointSummary",
     "CheckpointWriter",
     "Checkpointing",
+    "Workers",
     "check_writable",
     "inspect_checkpoint",
     "latest_checkpoint",
     "restore_checkpoint",
     "save_checkpoint",
+    "workers_of",
 ]
 
 _LATEST = "latest"
@@ -121,6 +128,11 @@ def _names(
     return named
 
 
+def _layout(techniques: Techniques | None) -> str:
+    """What wrote a checkpoint: the plan's ``describe()`` (empty without one)."""
+    return techniques.plan.describe() if techniques is not None else ""
+
+
 def _next_name(directory: Path) -> str:
     numbers = [int(p.name.split("-")[1]) for p in directory.glob(f"{_PREFIX}-*") if p.name.split("-")[1].isdigit()]
     return f"{_PREFIX}-{max(numbers, default=0) + 1:06d}"
@@ -144,17 +156,20 @@ def save_checkpoint(
     keep: int | None = None,
     write: bool = True,
     techniques: Techniques | None = None,
+    workers: Workers | None = None,
 ) -> Path:
     """Write a new checkpoint into ``directory`` atomically and return its folder.
 
     ``techniques`` (``backend.techniques``) say how the optimizer's state is stored whole where the plan shards or
     splits it; without them it is stored as it is.
 
-    ``keep`` keeps only the newest K checkpoints. ``write=False`` (the non-chief workers of a multi-worker run)
-    writes to a temporary folder that is deleted at once, as TensorFlow's convention asks: every worker takes part,
-    only the chief's copy stays.
+    ``keep`` keeps only the newest K checkpoints. ``workers`` of more than one: every worker calls this together and
+    writes its shard (:mod:`paraml.loop.shards`). Otherwise ``write=False`` writes to a temporary folder that is
+    deleted at once.
     """
-    return CheckpointWriter().save(directory, model, optimizer, state, keep=keep, write=write, techniques=techniques)
+    return CheckpointWriter().save(
+        directory, model, optimizer, state, keep=keep, write=write, techniques=techniques, workers=workers
+    )
 
 
 class CheckpointWriter:
@@ -183,20 +198,23 @@ class CheckpointWriter:
         write: bool = True,
         techniques: Techniques | None = None,
         asynchronous: bool | None = None,
+        workers: Workers | None = None,
     ) -> Path:
         """Save as :func:`save_checkpoint` does; in the background unless ``asynchronous`` (default: the writer's)
         is False. Returns the folder the checkpoint has (or will have, once written)."""
         check_int("keep", keep, none_ok=True)
         self.wait()  # one write at a time: the numbering and `latest` follow the order of the saves
+        background = self.asynchronous if asynchronous is None else asynchronous
+        options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True) if background else None
+        if workers is not None and workers.count > 1:
+            return self._save_shard(Path(directory), model, optimizer, state, keep, techniques, options, workers)
         checkpoint = tf.train.Checkpoint(
             **_trackables(model, optimizer, _whole_state(optimizer, techniques)),
             progress=tf.Variable(np.array([state.epoch, state.step, state.seed], np.int64), trainable=False),
             optimizer_class=tf.Variable(type(optimizer).__name__, trainable=False),
             # what wrote it, for `paraml checkpoint inspect` (a restore reads the tensors by position, on any layout)
-            layout=tf.Variable(techniques.plan.describe() if techniques is not None else "", trainable=False),
+            layout=tf.Variable(_layout(techniques), trainable=False),
         )
-        background = self.asynchronous if asynchronous is None else asynchronous
-        options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True) if background else None
         if not write:
             scratch = Path(tempfile.mkdtemp(prefix="paraml-worker-ckpt-"))
             checkpoint.write(str(scratch / _PREFIX), options=options)
@@ -211,6 +229,80 @@ class CheckpointWriter:
         checkpoint.write(str(staging / _PREFIX), options=options)
         self._finish(checkpoint, background, lambda: _make_visible(root, staging, name, keep))
         return root / name
+
+    def _save_shard(
+        self,
+        root: Path,
+        model: keras.Model,
+        optimizer: keras.optimizers.Optimizer,
+        state: CheckpointState,
+        keep: int | None,
+        techniques: Techniques | None,
+        options: tf.train.CheckpointOptions | None,
+        workers: Workers,
+    ) -> Path:
+        """This worker's shard of a sharded checkpoint (every worker calls it together): the tensors it owns
+        (:func:`paraml.loop.shards.owners`), its optimizer slots as they are (no gather); the chief then writes the
+        index and makes the folder visible once every shard is marked complete."""
+        chief = workers.index == 0
+        restorable = _restorable_state(optimizer, techniques)  # None: a slot another worker holds
+        tracked = _trackables(model, optimizer, [value for value, _ in restorable])
+        extras = sorted(k for k in tracked if k.startswith("extra_"))  # lists restored as they are made: the chief's
+        shapes = {k: tuple(v.shape) for k, v in tracked.items() if k not in extras}
+        shapes.update({f"optimizer_{i:05d}": shape for i, (_, shape) in enumerate(restorable)})
+        keys = sorted(shapes)
+        held = workers.gather(tf.constant([int(key in tracked) for key in keys], tf.int32)).numpy().astype(bool)
+        writer = owners(held, [int(np.prod(shapes[k], dtype=np.int64)) for k in keys])
+        mine = [k for k, w in zip(keys, writer) if w == workers.index] + (extras if chief else [])
+
+        name, staging = self._agree_on_staging(root, workers)
+        shard = shard_folder(staging, workers.index)
+        shard.mkdir()
+        checkpoint = tf.train.Checkpoint(**{k: tracked[k] for k in mine})
+        checkpoint.write(str(shard / _PREFIX), options=options)
+        listing = {k: (shapes[k], tf.as_dtype(tracked[k].dtype).name) for k in mine if k not in extras}
+        metadata = {
+            "progress": [state.epoch, state.step, state.seed],
+            "optimizer_class": type(optimizer).__name__,
+            "layout": _layout(techniques),
+            "extra": extras,
+        }
+
+        def complete() -> None:
+            write_mark(staging, workers.index, listing)
+            if chief:
+                wait_for_shards(staging, workers.count, metadata)
+                (staging / "token").unlink()
+                _make_visible(root, staging, name, keep)
+
+        self._finish(checkpoint, options is not None, complete)
+        return root / name
+
+    @staticmethod
+    def _agree_on_staging(root: Path, workers: Workers) -> tuple[str, Path]:
+        """The checkpoint's name and staging folder, the chief's, on every worker; refused (on every worker alike)
+        when a worker does not see the folder the chief made: the workers must share ``root``'s storage."""
+        chief = workers.index == 0
+        root.mkdir(parents=True, exist_ok=True)
+        number, token = 0, 0
+        if chief:
+            for stale in root.glob(f".{_PREFIX}-*"):  # a save that crashed half-way left its staging folder
+                shutil.rmtree(stale, ignore_errors=True)
+            number, token = int(_next_name(root).split("-")[1]), int.from_bytes(os.urandom(6), "big")
+            made = root / f".{_PREFIX}-{number:06d}.staging"
+            made.mkdir()
+            _write_atomic(made / "token", str(token))
+        number, token = (int(v) for v in workers.gather(tf.constant([number, token], tf.int64)).numpy()[0])
+        name = f"{_PREFIX}-{number:06d}"
+        staging = root / f".{name}.staging"
+        sees = (staging / "token").is_file() and (staging / "token").read_text() == str(token)
+        seen = workers.gather(tf.constant(int(sees), tf.int32)).numpy().astype(bool)
+        if not seen.all():
+            raise RuntimeError(
+                f"checkpoint_dir {str(root)!r} must be on storage every worker sees: worker(s) "
+                f"{[int(w) for w in np.flatnonzero(~seen)]} do not see the folder the chief made there ({staging.name})"
+            )
+        return name, staging
 
     def __enter__(self) -> CheckpointWriter:
         return self
@@ -252,7 +344,9 @@ class CheckpointWriter:
 def _make_visible(root: Path, staging: Path, name: str, keep: int | None) -> None:
     """Flush a written checkpoint, rename it into place, point ``latest`` at it, and drop all but the newest
     ``keep``."""
-    for file in staging.iterdir():  # flush the data before the rename makes it visible
+    for file in staging.iterdir():  # flush the data before the rename makes it visible (shards: by their writers)
+        if file.is_dir():
+            continue
         with open(file, "rb") as handle:
             os.fsync(handle.fileno())
     os.rename(staging, root / name)
@@ -279,7 +373,7 @@ def _resolve(path: str | os.PathLike[str]) -> Path:
     given = Path(path)
     if not given.exists():
         raise FileNotFoundError(f"no checkpoint at {str(given)!r}: the path does not exist")
-    if (given / f"{_PREFIX}.index").is_file():
+    if (given / f"{_PREFIX}.index").is_file() or read_index(given) is not None:
         return given
     found = latest_checkpoint(given)
     if found is None:
@@ -302,6 +396,7 @@ class CheckpointSummary:
     optimizer_class: str
     layout: str
     tensors: tuple[tuple[str, tuple[int, ...], str, int], ...]
+    shards: int = 1
 
     def describe(self) -> str:
         """The summary in words: one line each for where training stood, the optimizer and the bytes by kind, then
@@ -316,7 +411,9 @@ class CheckpointSummary:
             f"checkpoint {self.folder}",
             f"epochs done {self.state.epoch}, steps into the next {self.state.step}, shuffling seed {self.state.seed}",
             f"optimizer {self.optimizer_class or 'unknown'}",
-            f"{len(self.tensors)} tensors, {format_bytes(total)}: "
+            f"{len(self.tensors)} tensors, {format_bytes(total)}"
+            + (f" in {self.shards} shards, one per worker" if self.shards > 1 else "")
+            + ": "
             + ", ".join(f"{kind} {len(sizes)} ({format_bytes(sum(sizes))})" for kind, sizes in sorted(kinds.items())),
             "written by: " + (self.layout.replace("\n", "\n  ") if self.layout else "(no layout recorded)"),
         ]
@@ -332,6 +429,21 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointSummary:
         ValueError: for a truncated or corrupt checkpoint.
     """
     folder = _resolve(path)
+    index = read_index(folder)
+    if index is not None:
+        epoch, step, seed = (int(v) for v in index.metadata["progress"])
+        tensors = tuple(
+            (key, shape, dtype, int(np.prod(shape, dtype=np.int64)) * tf.as_dtype(dtype).size)
+            for key, (_, shape, dtype) in sorted(index.tensors.items())
+        )
+        return CheckpointSummary(
+            folder,
+            CheckpointState(epoch, step, seed),
+            str(index.metadata.get("optimizer_class", "")),
+            str(index.metadata.get("layout", "")),
+            tensors,
+            shards=int(index.metadata.get("shards", 1)),
+        )
     prefix = str(folder / _PREFIX)
     try:
         reader = tf.train.load_checkpoint(prefix)
@@ -375,24 +487,61 @@ def restore_checkpoint(
     are only read, never changed.
     """
     folder = _resolve(path)
+    index = read_index(folder)
     prefix = str(folder / _PREFIX)
+    if index is not None:
+        stored = {key: shape for key, (_, shape, _) in index.tensors.items()}
+        saved_class: str | None = str(index.metadata.get("optimizer_class", ""))
+    else:
+        stored, saved_class = _stored(folder, prefix)
+    if saved_class and saved_class != type(optimizer).__name__:
+        raise ValueError(
+            f"checkpoint {str(folder)!r} was written with the optimizer {saved_class}, this model uses "
+            f"{type(optimizer).__name__}: build with the same optimizer to resume (its state and learning rate "
+            "are restored), or load only the weights with model.set_weights"
+        )
+    _check_same_model(folder, stored, model, optimizer, techniques)
+    # A checkpoint written before paraml saved seed states has none: those keep their values.
+    state = [variable for variable, _ in _restorable_state(optimizer, techniques)]
+    tracked = {
+        k: v for k, v in _trackables(model, optimizer, state).items() if not k.startswith("seed_") or k in stored
+    }
     try:
-        stored = dict(tf.train.list_variables(prefix))
+        if index is not None:
+            return _restore_shards(index, tracked)
+        progress = tf.Variable(np.zeros(3, np.int64), trainable=False)
+        checkpoint = tf.train.Checkpoint(**tracked, progress=progress)
+        # optimizer_class was checked above; it is not a variable of this model, so it is not restored
+        # (expect_partial: TensorFlow would otherwise warn about it, twice, when the status is deleted). Variables of
+        # other optimizers not created yet are restored when they are (the status stays with them).
+        checkpoint.read(prefix).assert_existing_objects_matched().expect_partial()
+    except (tf.errors.OpError, AssertionError, IndexError, ValueError) as error:
+        raise ValueError(f"checkpoint {str(folder)!r} is corrupt or truncated: {error}") from None
+    epoch, step, seed = (int(v) for v in progress.numpy())
+    return CheckpointState(epoch, step, seed)
+
+
+def _stored(folder: Path, prefix: str) -> tuple[dict[str, tuple[int, ...]], str | None]:
+    """A single-file checkpoint's tensors (key -> shape) and the optimizer class it names (None: an old one)."""
+    try:
+        listed = dict(tf.train.list_variables(prefix))
+        stored = {key.split("/")[0]: tuple(shape) for key, shape in listed.items() if "/.ATTRIBUTES/" in key}
+        if "optimizer_class" not in stored:
+            return stored, None
+        saved_class = tf.train.load_checkpoint(prefix).get_tensor("optimizer_class/.ATTRIBUTES/VARIABLE_VALUE")
     except (tf.errors.OpError, ValueError, IndexError) as error:
         raise ValueError(f"checkpoint {str(folder)!r} is corrupt or truncated: {error}") from None
-    stored = {key.split("/")[0]: tuple(shape) for key, shape in stored.items() if "/.ATTRIBUTES/" in key}
-    if "optimizer_class" in stored:
-        try:
-            saved_class = tf.train.load_checkpoint(prefix).get_tensor("optimizer_class/.ATTRIBUTES/VARIABLE_VALUE")
-        except (tf.errors.OpError, ValueError, IndexError) as error:
-            raise ValueError(f"checkpoint {str(folder)!r} is corrupt or truncated: {error}") from None
-        saved_class = saved_class.decode() if isinstance(saved_class, bytes) else str(saved_class)
-        if saved_class != type(optimizer).__name__:
-            raise ValueError(
-                f"checkpoint {str(folder)!r} was written with the optimizer {saved_class}, this model uses "
-                f"{type(optimizer).__name__}: build with the same optimizer to resume (its state and learning rate "
-                "are restored), or load only the weights with model.set_weights"
-            )
+    return stored, saved_class.decode() if isinstance(saved_class, bytes) else str(saved_class)
+
+
+def _check_same_model(
+    folder: Path,
+    stored: dict[str, tuple[int, ...]],
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer,
+    techniques: Techniques | None,
+) -> None:
+    """Refuse a checkpoint of another model, naming the first variable missing or of another shape."""
     expected = _names(model, optimizer, techniques)
     for key, (variable_path, shape) in expected.items():
         if key not in stored:
@@ -412,21 +561,19 @@ def restore_checkpoint(
             f"checkpoint {str(folder)!r} is of a different model: it holds {len(extra)} more model variables than "
             f"this model has ({len(model.weights)})"
         )
-    progress = tf.Variable(np.zeros(3, np.int64), trainable=False)
-    # A checkpoint written before paraml saved seed states has none: those keep their values.
-    state = [variable for variable, _ in _restorable_state(optimizer, techniques)]
-    tracked = {
-        k: v for k, v in _trackables(model, optimizer, state).items() if not k.startswith("seed_") or k in stored
-    }
-    checkpoint = tf.train.Checkpoint(**tracked, progress=progress)
-    # optimizer_class was checked above; it is not a variable of this model, so it is not restored (expect_partial:
-    # TensorFlow would otherwise warn about it, twice, when the status is deleted). Variables of other optimizers not
-    # created yet are restored when they are (the status stays with them).
-    try:
-        checkpoint.read(prefix).assert_existing_objects_matched().expect_partial()
-    except (tf.errors.OpError, AssertionError, IndexError, ValueError) as error:
-        raise ValueError(f"checkpoint {str(folder)!r} is corrupt or truncated: {error}") from None
-    epoch, step, seed = (int(v) for v in progress.numpy())
+
+
+def _restore_shards(index: ShardIndex, tracked: dict[str, Any]) -> CheckpointState:
+    """Fill ``tracked`` from a sharded checkpoint, reading from each shard only the tensors this worker holds (the
+    other optimizers' lists from the chief's, filled as their variables are made)."""
+    by_shard: dict[int, dict[str, Any]] = {}
+    for key, value in tracked.items():
+        shard = 0 if key.startswith("extra_") else index.tensors[key][0]
+        by_shard.setdefault(shard, {})[key] = value
+    for shard, values in sorted(by_shard.items()):
+        prefix = str(shard_folder(index.folder, shard) / _PREFIX)
+        tf.train.Checkpoint(**values).read(prefix).assert_existing_objects_matched().expect_partial()
+    epoch, step, seed = (int(v) for v in index.metadata["progress"])
     return CheckpointState(epoch, step, seed)
 
 
@@ -441,6 +588,12 @@ def check_writable(directory: str | os.PathLike[str]) -> None:
         raise NotADirectoryError(f"checkpoint_dir {str(path)!r} {where}: give a directory (it is created if missing)")
     if existing.exists() and not os.access(existing, os.W_OK | os.X_OK):
         raise PermissionError(f"checkpoint_dir {str(path)!r} is not writable (checked {str(existing)!r})")
+
+
+def workers_of(backend: Any) -> Workers:
+    """The workers of ``backend``'s run (its topology, and its ``across_workers`` collective)."""
+    topology = backend.topology
+    return Workers(topology.worker_index, topology.num_workers, backend.across_workers)
 
 
 class Checkpointing:
@@ -511,6 +664,7 @@ class Checkpointing:
             write=self.backend.topology.is_chief,
             techniques=self.backend.techniques,
             asynchronous=asynchronous,
+            workers=workers_of(self.backend),
         )
 
     def __call__(self, epoch: int, steps_done: int, event: str) -> None:
