@@ -75,6 +75,7 @@ MODULES = [
     "paraml.cluster.config",
     "paraml.cluster.detect",
     "paraml.cluster.rendezvous",
+    "paraml.bench.trace",
 ]
 
 

@@ -43,9 +43,12 @@ from paraml.internals import (  # noqa: E402
     optimizer_strategy,
     optimizer_variable_list,
     own_trainable_variables,
+    read_xspace,
     resource_variable,
     shift_collective_keys,
+    start_graph_collection,
     state_unlocked,
+    stop_graph_collection,
     tensor_list_element_dtype,
     trackable_base,
     untracked,
@@ -537,3 +540,56 @@ def test_a_while_loops_body_and_accumulators():
             "a TensorList's handle data no longer gives its element dtype", "tensor_list_element_dtype"
         )
     assert while_body_graph(graph.get_operations()[0]) is None
+
+
+# -- TensorFlow's record of a step ------------------------------------------------------------------------------------
+def two_device_function():
+    """A new function (so TensorFlow instantiates it at its next call) with one named matmul on each of 2 devices."""
+
+    @tf.function
+    def twice(a):
+        with tf.device(DEVICES[0]):
+            b = tf.matmul(a, a, name="on_first")
+        with tf.device(DEVICES[1]):
+            return tf.matmul(b, b, name="on_second")
+
+    return twice
+
+
+def test_graph_collection_records_each_nodes_device_when_a_function_is_instantiated():
+    twice, a = two_device_function(), tf.ones((8, 8))
+    start_graph_collection()
+    try:
+        twice(a)
+    finally:
+        graphs = stop_graph_collection()
+    devices = {node.name: node.device for graph in graphs for node in graph.node}
+    assert devices.get("on_first", "").endswith("device:CPU:0") and devices.get("on_second", "").endswith(
+        "device:CPU:1"
+    ), changed(
+        "the partition graphs recorded at a function's first call no longer name each node's device",
+        "stop_graph_collection",
+    )
+    start_graph_collection()
+    twice(a)  # instantiated already: nothing is recorded again
+    assert stop_graph_collection() == [], changed("graphs are recorded at every call", "stop_graph_collection")
+
+
+def test_the_profilers_xspace_has_one_event_per_op_named_node_colon_type(tmp_path):
+    twice, a = two_device_function(), tf.ones((64, 64))
+    twice(a)
+    tf.profiler.experimental.start(str(tmp_path))
+    twice(a)
+    tf.profiler.experimental.stop()
+    (path,) = tmp_path.rglob("*.xplane.pb")
+    space = read_xspace(path.read_bytes())
+    names = {
+        plane.event_metadata[event.metadata_id].name: event.duration_ps
+        for plane in space.planes
+        for line in plane.lines
+        for event in line.events
+    }
+    ops = {name.split(":")[0] for name in names if name.split(":")[0] in ("on_first", "on_second")}
+    assert ops == {"on_first", "on_second"}, changed(
+        "the profile's op events are no longer named '<node>:<type>'", "read_xspace"
+    )

@@ -40,9 +40,12 @@ __all__ = [
     "optimizer_strategy",
     "optimizer_variable_list",
     "own_trainable_variables",
+    "read_xspace",
     "resource_variable",
     "shift_collective_keys",
+    "start_graph_collection",
     "state_unlocked",
+    "stop_graph_collection",
     "tensor_list_element_dtype",
     "trackable_base",
     "untracked",
@@ -358,3 +361,51 @@ def tensor_list_element_dtype(handle: Any) -> tf.DType:
     from tensorflow.python.ops import handle_data_util
 
     return tf.as_dtype(handle_data_util.get_resource_handle_data(handle).shape_and_type[0].dtype)
+
+
+# -- TensorFlow's record of a step: which device ran each op, and when -------------------------------------------------
+# TF 2.21 leaves the step stats of a function's run empty (``RunMetadata.step_stats`` has no ``dev_stats``), so the
+# times come from the public profiler (``tf.profiler.experimental.start``/``stop``), whose op events name the node but
+# not its device; the device of each node comes from the partition graphs TensorFlow records for a function when it
+# instantiates it (its first call, and only then).
+def start_graph_collection() -> None:
+    """From now on, TensorFlow records the partition graphs (one per device, each node with its device) of every
+    function it instantiates, until :func:`stop_graph_collection`.
+
+    Calls ``context.context().enable_graph_collection()`` (``tensorflow.python.eager.context``): TensorFlow 2 fills a
+    ``RunMetadata`` only through the eager context, and has no public switch for it.
+    """
+    from tensorflow.python.eager import context
+
+    context.context().enable_graph_collection()
+
+
+def stop_graph_collection() -> list[Any]:
+    """The partition graphs (``tf.compat.v1.GraphDef`` protos) recorded since :func:`start_graph_collection`, of every
+    function instantiated meanwhile; recording stops.
+
+    Calls ``context.context().export_run_metadata()`` (which hands over the record and clears it) and
+    ``disable_graph_collection()``; the graphs are in ``RunMetadata.function_graphs[*].partition_graphs``.
+    """
+    from tensorflow.python.eager import context
+
+    eager = context.context()
+    recorded = eager.export_run_metadata()
+    eager.disable_graph_collection()
+    if recorded is None:
+        return []
+    return [graph for function in recorded.function_graphs for graph in function.partition_graphs]
+
+
+def read_xspace(data: bytes) -> Any:
+    """The profile in ``data`` (the bytes of a ``*.xplane.pb`` file that ``tf.profiler.experimental.stop`` wrote) as
+    an ``XSpace`` proto: ``planes[*].lines[*].events[*]``, each event's name in ``plane.event_metadata``.
+
+    Parses with ``tensorflow.tsl.profiler.protobuf.xplane_pb2``: the profile's format (TSL's ``xplane.proto``) has no
+    public reader in TensorFlow (tensorboard-plugin-profile's converters would be a dependency for one parse).
+    """
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    space.ParseFromString(data)
+    return space
