@@ -31,6 +31,21 @@ through its parts has no ``call`` to trace; an unbuilt model) trains data-parall
 Device memory comes from TensorFlow where it can tell (GPUs), else from the ``device_memory`` option
 (``"2GiB"``, ``"512MB"`` or bytes). Unknown memory counts as "fits": data parallelism is the faster default.
 
+With ``measure=True`` the estimate only says what fits, and a measurement says what is fastest. On more than one
+device, ``auto`` takes the layouts that fit by the estimate (all of them when the device memory is unknown), at most
+:data:`MAX_CANDIDATES`, in the order the rule prefers them (:class:`Candidate`): ``mirrored`` as it is; ``mirrored``
+with the first saving of :data:`SAVINGS` that fits; copies of a 2-stage ``model_parallel`` pipeline (the
+``schedule`` and ``micro_batches`` given, else 1F1B with :data:`DEFAULT_MICRO_BATCHES`). Each is built by its
+real backend, compiled with ``build``'s optimizer (a fresh one each) and loss, and trained for a warm-up step (its
+trace) and :data:`TIMED_STEPS` timed steps on ``batch_size`` rows (``sample``'s, else the probe batch of ones the
+estimate traced; targets of zeros shaped for the loss); the fastest median step is chosen (:class:`Measurement`),
+and the model ``build`` returns is built under it, seeded as without measuring. A candidate that fails is reported
+and left out.
+With fewer than two candidates nothing is timed and the rule's choice stands (:meth:`AutoDecision.explain` says why).
+The step times are kept in a JSON file (:class:`MeasureCache`, ``$PARAML_CACHE_DIR/auto_measure.json``) keyed by
+the model, devices, batch, optimizer, loss, versions and machine (:func:`cache_key`): a later run with the same key
+reads them and times nothing.
+
 :func:`decide` is the pure rule; :class:`AutoChoice` measures the model (built once on the host, and handed to the
 chosen backend so that ``model_parallel`` plans from that build instead of making its own).
 """
@@ -38,8 +53,16 @@ chosen backend so that ``model_parallel`` plans from that build instead of makin
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from paraml.memory import MemoryEstimate
@@ -66,7 +89,7 @@ __all__ = [
 ]
 
 #: Options of ``Parallel("auto")``: its own, and those it passes to ``model_parallel`` if it picks it.
-AUTO_OPTIONS = ("device_memory", "batch_size", "sample", "partition", "micro_batches", "schedule")
+AUTO_OPTIONS = ("device_memory", "batch_size", "sample", "partition", "micro_batches", "schedule", "measure")
 
 #: The micro-batches ``auto`` gives a 1F1B pipeline when the user named none (``micro_batches`` not given).
 DEFAULT_MICRO_BATCHES = 4
@@ -122,6 +145,8 @@ class AutoDecision:
     ``figures`` are every layout and saving estimated, in the order tried (:class:`Figure`).
     ``unmeasured`` says why the model could not be measured (then ``estimate`` is None), with ``parameters`` the
     bytes of its variables; ``caveat`` what the estimate could not see (a probe batch the model refused).
+    With ``measure=True``, ``measurement`` holds the candidates timed and their step times (:class:`Measurement`:
+    the fastest was chosen), or ``not_timed`` says why nothing was timed (the rule chose).
     """
 
     strategy: str
@@ -141,6 +166,8 @@ class AutoDecision:
     figures: tuple[Figure, ...] = ()
     micro_batches: int | None = None
     schedule: str | None = None
+    measurement: Measurement | None = None
+    not_timed: str = ""
 
     @property
     def remat(self) -> bool:
@@ -167,12 +194,15 @@ class AutoDecision:
         """Why this strategy, with the numbers that decided it, and every figure tried."""
         if self.strategy == "multi_worker":
             return f"chose 'multi_worker': TF_CONFIG describes a cluster of {self.num_workers} workers"
-        if self.unmeasured:
-            return self._explain_unmeasured()
-        text = self._explain_measured()
-        if self.figures and self.device_memory is not None:
+        if self.measurement is not None:
+            text = self.measurement.explain()
+            return f"{text}; {self.caveat}" if self.caveat else text
+        text = self._explain_unmeasured() if self.unmeasured else self._explain_measured()
+        if self.figures and self.device_memory is not None and not self.unmeasured:
             text += f"; {tried_figures(self.figures, self.device_memory)}"
-        return f"{text}; {self.caveat}" if self.caveat else text
+        if self.caveat and not self.unmeasured:
+            text += f"; {self.caveat}"
+        return f"{text}; measure=True timed nothing: {self.not_timed}" if self.not_timed else text
 
     def _explain_unmeasured(self) -> str:
         where = f"on {self.num_devices} devices" if self.num_devices > 1 else "(one device is available)"
@@ -367,6 +397,256 @@ def fit_pipeline(
     return result
 
 
+#: The most layouts ``Parallel("auto", measure=True)`` times: each costs a build, a trace and a few steps.
+MAX_CANDIDATES = 3
+
+#: Steps timed per candidate, after one warm-up step (its trace); their median is the candidate's step time.
+TIMED_STEPS = 5
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout ``auto`` may choose: its ``strategy``, the ``options`` its backend gets, the ``layout`` in words,
+    its estimated ``bytes`` on the device holding most (None: not sized), the memory savings it turns on
+    (``settings``, as :attr:`AutoDecision.settings`) and, for ``mirrored``, the estimate it was sized with."""
+
+    strategy: str
+    options: dict[str, Any]
+    layout: str
+    bytes: int | None
+    settings: dict[str, bool] = field(default_factory=dict)
+    estimate: MemoryEstimate | None = None
+
+
+@dataclass(frozen=True)
+class StepTrial:
+    """How ``auto`` times a candidate: the user's model, optimizer and compile arguments (``build``'s), and a global
+    batch of ``batch_size`` rows (``x``, its zero targets ``y``: set by :meth:`with_batch`)."""
+
+    model_fn: Callable[[], Any]
+    optimizer: Any
+    remat: bool
+    compile_args: dict[str, Any]
+    jit_compile: bool | str
+    batch_size: int
+    steps: int = TIMED_STEPS
+    x: Any = None
+    y: Any = None
+
+    def with_batch(self, host: HostModel, sample: Any) -> StepTrial:
+        """This trial with the rows it trains on: ``sample``'s rows (repeated), else the probe batch of ones the
+        memory estimate traced, and targets of zeros shaped for the model's outputs and the compiled loss."""
+        import tensorflow as tf
+
+        from paraml.planning.observe import probe_inputs, repeat_rows, zero_targets
+
+        rows = self.batch_size * (1 + self.steps)  # a warm-up step, then the timed ones
+        x = repeat_rows(sample, rows) if sample is not None else probe_inputs(host.model, rows)[0]
+        with tf.device("/device:CPU:0"):  # where the host build lives
+            outputs = host.model(repeat_rows(x, 1), training=False)
+        y = repeat_rows(zero_targets(host.model, self.compile_args.get("loss"), outputs), rows)
+        return replace(self, x=x, y=y)
+
+    def time(self, backend: Backend, remat: bool = False) -> float:
+        """Median seconds of one training step of the model built and compiled under ``backend`` (a fresh
+        optimizer from the same identifier), after a warm-up step; the model is dropped afterwards."""
+        import statistics
+
+        from paraml.loop.batches import global_batches
+        from paraml.loop.compiling import compile_model
+        from paraml.loop.training import Trainer
+
+        model = backend.build_model(self.model_fn, self.optimizer, None, self.remat or remat)
+        compiled = compile_model(backend, model, dict(self.compile_args), self.jit_compile)
+        trainer = Trainer(backend, model, 1, compiled.accumulation_steps, compiled.xla)
+        source = global_batches(self.x, self.y, batch_size=self.batch_size, num_replicas=backend.topology.num_replicas)
+        timer = _step_timer()
+        trainer.fit(source, epochs=1, callbacks=[timer])
+        return statistics.median(timer.seconds[1:])
+
+
+def _step_timer() -> Any:
+    """A Keras callback recording the wall time of every training step (``seconds``). ``fit`` reads a step's logs
+    before the step ends, so its time includes waiting for the result."""
+    import keras
+
+    class StepTimer(keras.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seconds: list[float] = []
+            self.started = 0.0
+
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            self.started = time.perf_counter()
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            self.seconds.append(time.perf_counter() - self.started)
+
+    return StepTimer()
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What ``Parallel("auto", measure=True)`` timed: every candidate (:class:`Candidate`) with its median step time
+    in seconds (None: it failed, ``errors`` says why), the index of the fastest (``chosen``), the cache file the
+    times were kept in, how many candidates were timed in this process (0: the times came from the cache), and the
+    steps, global batch and device memory they were timed and sized with."""
+
+    candidates: tuple[Candidate, ...]
+    seconds: tuple[float | None, ...]
+    chosen: int
+    cache: str
+    timed_now: int
+    steps: int
+    batch_size: int
+    device_memory: int | None
+    errors: tuple[str, ...] = ()
+
+    def decided(self, decision: AutoDecision) -> AutoDecision:
+        """``decision`` (the rule's) made the fastest candidate's, with this measurement."""
+        winner = self.candidates[self.chosen]
+        options = winner.options
+        return replace(
+            decision,
+            strategy=winner.strategy,
+            settings=dict(winner.settings),
+            saved_estimate=winner.estimate if winner.settings else None,
+            copies=options.get("data_parallel", 1),
+            tensor=options.get("tensor_parallel", 1),
+            largest_stage=winner.bytes if winner.strategy == "model_parallel" else None,
+            micro_batches=options.get("micro_batches"),
+            schedule=options.get("schedule"),
+            measurement=self,
+        )
+
+    def explain(self) -> str:
+        """Every candidate with its estimated bytes and measured step time, which was chosen, and where the times
+        came from."""
+        memory = (
+            f"device memory {format_bytes(self.device_memory)}"
+            if self.device_memory is not None
+            else "device memory unknown, so every layout counts as fitting"
+        )
+        listed = ", ".join(self._figure(i) for i in range(len(self.candidates)))
+        source = (
+            f"step times read from the cache {self.cache}: no candidate was timed in this process"
+            if self.timed_now == 0
+            else f"{self.timed_now} candidates timed in this process, saved to the cache {self.cache}"
+        )
+        return (
+            f"chose {self.candidates[self.chosen].layout} (measure=True): the fastest of {len(self.candidates)} "
+            f"layouts that fit by the estimate ({memory}), each timed for {self.steps} training steps of batch "
+            f"{self.batch_size} after a warm-up step (estimated bytes on the device holding most: median step "
+            f"time): {listed}; {source}"
+        )
+
+    def _figure(self, i: int) -> str:
+        candidate, seconds = self.candidates[i], self.seconds[i]
+        size = format_bytes(candidate.bytes) if candidate.bytes is not None else "not sized"
+        if seconds is None:
+            return f"{candidate.layout} ({size}): failed ({self.errors[i]})"
+        chosen = " (the fastest: chosen)" if i == self.chosen else ""
+        return f"{candidate.layout} ({size}): {seconds * 1e3:.3f} ms{chosen}"
+
+
+class MeasureCache:
+    """The step times ``Parallel("auto", measure=True)`` measured, in one JSON file:
+    ``$PARAML_CACHE_DIR/auto_measure.json`` (default ``~/.cache/paraml/auto_measure.json``), keyed by
+    :func:`cache_key`. Written atomically (a temporary file, then ``os.replace``); a file that cannot be read is
+    ignored with a warning (and replaced at the next write).
+    """
+
+    FILE_NAME = "auto_measure.json"
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
+        default = os.environ.get("PARAML_CACHE_DIR") or Path.home() / ".cache" / "paraml"
+        self.path = Path(directory or default) / self.FILE_NAME
+
+    def _entries(self) -> dict[str, Any]:
+        try:
+            entries = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as error:
+            warnings.warn(f"ignoring the auto measure cache {self.path}: cannot read it ({error})", stacklevel=4)
+            return {}
+        if not isinstance(entries, dict):
+            warnings.warn(f"ignoring the auto measure cache {self.path}: not a JSON object", stacklevel=4)
+            return {}
+        return entries
+
+    def lookup(self, key: dict[str, Any]) -> tuple[list[float | None] | None, list[str]]:
+        """The step times (and errors) stored under ``key``, or (None, []) when there are none."""
+        entry = self._entries().get(_digest(key))
+        if not isinstance(entry, dict) or entry.get("key") != key:
+            return None, []
+        times, errors = entry.get("seconds"), entry.get("errors")
+        if not isinstance(times, list) or not all(t is None or isinstance(t, (int, float)) for t in times):
+            return None, []
+        return list(times), list(errors) if isinstance(errors, list) else [""] * len(times)
+
+    def store(
+        self,
+        key: dict[str, Any],
+        candidates: Sequence[Candidate],
+        seconds: Sequence[float | None],
+        errors: Sequence[str],
+    ) -> None:
+        """Keep ``seconds`` (per candidate) under ``key``, beside the file's other entries; a write that fails is a
+        warning (the choice is made anyway)."""
+        entries = self._entries()
+        layouts = [c.layout for c in candidates]
+        entries[_digest(key)] = {"key": key, "layouts": layouts, "seconds": list(seconds), "errors": list(errors)}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp", delete=False) as file:
+                json.dump(entries, file, indent=1)
+            os.replace(file.name, self.path)  # readers see the old file or the new one, never half of one
+        except OSError as error:
+            warnings.warn(f"could not write the auto measure cache {self.path}: {error}", stacklevel=4)
+
+
+def _digest(key: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def cache_key(model: Any, trial: StepTrial, devices: Sequence[str], candidates: Sequence[Candidate]) -> dict[str, Any]:
+    """What a measured step time depends on: the model (its layers' classes, its variables' shapes and dtypes, its
+    input batch's shapes and dtypes), the devices (how many, their kind), the global batch, the optimizer and loss,
+    recompute and XLA, the candidates, TensorFlow's and Keras' versions, and the machine."""
+    import keras
+    import tensorflow as tf
+
+    from paraml.planning.observe import nested_layers
+
+    key = {
+        "layers": [type(layer).__name__ for layer in nested_layers(model)],
+        "variables": [[list(v.shape), str(v.dtype)] for v in model.weights],
+        "inputs": [[list(a.shape[1:]), str(a.dtype)] for a in tf.nest.flatten(trial.x)],
+        "devices": [len(devices), sorted({d.split(":")[-2] for d in devices})],  # "/device:GPU:0" -> "GPU"
+        "batch_size": trial.batch_size,
+        "optimizer": _identifier(trial.compile_args.get("optimizer", trial.optimizer)),
+        "loss": _identifier(trial.compile_args.get("loss")),
+        "remat": trial.remat,
+        "jit_compile": trial.jit_compile,
+        "candidates": [[c.strategy, sorted(c.options.items()), c.settings] for c in candidates],
+        "versions": [tf.__version__, keras.__version__],
+        "machine": [platform.node(), os.cpu_count()],
+    }
+    return json.loads(json.dumps(key))  # as the cache file gives it back: tuples as lists
+
+
+def _identifier(value: Any) -> Any:
+    """A JSON name of an optimizer or a loss (a structure of names for one per output)."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _identifier(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_identifier(v) for v in value]
+    return getattr(value, "__name__", None) or type(value).__name__
+
+
 class AutoChoice:
     """The pending choice of ``Parallel("auto", devices, **options)``: made at once for a cluster, else at build.
 
@@ -381,6 +661,8 @@ class AutoChoice:
         self.options = dict(options)
         if self.options.get("device_memory") is not None:
             self.options["device_memory"] = parse_size(self.options["device_memory"])
+        if not isinstance(self.options.get("measure", False), bool):
+            raise ValueError(f"measure must be True or False, got {self.options['measure']!r}")
         self.backend: Backend | None = None
         self.decision: AutoDecision | None = None
         #: When no pipeline holds the model's largest unit: that unit's bytes at best, and the sentence naming it.
@@ -397,16 +679,25 @@ class AutoChoice:
         return resolve_devices(self.devices)
 
     def choose(
-        self, model_fn: Callable[[], keras.Model], optimizer: Any, remat: bool = False
+        self,
+        model_fn: Callable[[], keras.Model],
+        optimizer: Any,
+        remat: bool = False,
+        *,
+        compile_args: dict[str, Any] | None = None,
+        jit_compile: bool | str = False,
     ) -> tuple[Backend, HostModel | None]:
         """Measure the model, apply :func:`decide`, create the chosen backend; return it and the host build of the
         model when one was made (for the backend's ``build_model``). With ``remat`` (the user's), the model is
         measured with recompute; else recompute is measured when the model does not fit without it. A model that
         cannot be measured (:func:`paraml.memory.unmeasurable_reason`) trains data-parallel, which needs no
-        measurement."""
+        measurement.
+
+        With the option ``measure=True``, the layouts that fit by the estimate are timed (:meth:`_measure`) on the
+        model compiled with ``compile_args`` (``build``'s optimizer, loss...) and ``jit_compile``, and the fastest
+        is chosen instead."""
         import keras
 
-        from paraml import backends
         from paraml.devices import device_memory
         from paraml.memory import estimate_memory, unmeasurable_reason
         from paraml.parallelism.remat import recomputing
@@ -420,7 +711,7 @@ class AutoChoice:
         sample = self.options.get("sample")
         batch_size = self.options.get("batch_size", 32)  # the global batch, as fit's batch_size
         # a data-parallel replica computes its share of the global batch: that is what must fit one device
-        measure = {"batch_size": -(-batch_size // len(devices)), "optimizer": optimizer}
+        sizing = {"batch_size": -(-batch_size // len(devices)), "optimizer": optimizer}
         if len(devices) > 1 or memory is not None:  # measured on the host: the model may not fit on one accelerator
             host = build_on_host(model_fn)
             if isinstance(host.model, keras.Model):  # anything else: estimate_memory names what it got
@@ -429,26 +720,10 @@ class AutoChoice:
                 parameters = variable_bytes(host.model.weights)
             else:
                 observed = host.observe(sample=sample, recompute=recomputing if remat else None)
-                estimate = estimate_memory(host.model, remat=remat, observation=observed, **measure)
+                estimate = estimate_memory(host.model, remat=remat, observation=observed, **sizing)
                 as_is = observed
             if estimate is not None and memory is not None and estimate.total > memory:
-                for settings in SAVINGS:
-                    sharded = settings.get("shard_optimizer") or settings.get("shard_parameters")
-                    with_remat = remat or settings.get("remat", False) or settings.get("shard_parameters", False)
-                    if (sharded and len(devices) < 2) or (remat and settings and not with_remat):
-                        continue  # sharding needs replicas; the user's remat stays on
-                    shards = len(devices) if sharded else 1
-                    stage = 3 if settings.get("shard_parameters") else 1
-                    observed = host.observe(sample=sample, recompute=recomputing if with_remat else None)
-                    saved = estimate_memory(
-                        host.model,
-                        remat=with_remat,
-                        optimizer_shards=shards,
-                        zero_stage=stage,
-                        observation=observed,
-                        **measure,
-                    )
-                    savings.append((settings, saved))
+                savings = list(self._savings(host, remat, sizing, len(devices)))
         self.decision = decide(
             num_workers=1,
             num_devices=len(devices),
@@ -470,9 +745,44 @@ class AutoChoice:
             planned = self._size_pipeline(host, optimizer, remat, batch_size, memory, len(devices))
         if self.decision.fits is False:  # nothing fits: refused now, not by the backend or at the first step
             raise ValueError(self._refusal(devices, memory, batch_size))
-        chosen = backends.get_backend(self.decision.strategy)
-        passed = {k: v for k, v in self.options.items() if k in chosen.option_names}
-        passed.update(planned)
+        chosen = self._rule_candidate(planned)
+        if self.options.get("measure"):
+            trial = StepTrial(model_fn, optimizer, remat, dict(compile_args or {}), jit_compile, batch_size)
+            chosen = self._measure(host, estimate, trial, memory, len(devices)) or chosen
+        self.backend = self._backend_of(chosen)
+        return self.backend, host
+
+    def _savings(
+        self, host: HostModel, remat: bool, sizing: dict[str, Any], num_devices: int
+    ) -> Iterator[tuple[dict[str, bool], MemoryEstimate]]:
+        """The estimate with each saving of :data:`SAVINGS` that applies, in order (computed as they are read)."""
+        from paraml.memory import estimate_memory
+        from paraml.parallelism.remat import recomputing
+
+        sample = self.options.get("sample")
+        for settings in SAVINGS:
+            sharded = settings.get("shard_optimizer") or settings.get("shard_parameters")
+            with_remat = remat or settings.get("remat", False) or settings.get("shard_parameters", False)
+            if (sharded and num_devices < 2) or (remat and settings and not with_remat):
+                continue  # sharding needs replicas; the user's remat stays on
+            shards = num_devices if sharded else 1
+            stage = 3 if settings.get("shard_parameters") else 1
+            observed = host.observe(sample=sample, recompute=recomputing if with_remat else None)
+            saved = estimate_memory(
+                host.model,
+                remat=with_remat,
+                optimizer_shards=shards,
+                zero_stage=stage,
+                observation=observed,
+                **sizing,
+            )
+            yield settings, saved
+
+    def _rule_candidate(self, planned: dict[str, Any]) -> Candidate:
+        """The layout :attr:`decision` chose by the rule, as the options its backend gets (``planned``: those of
+        the pipeline :meth:`_size_pipeline` sized)."""
+        assert self.decision is not None
+        passed = dict(planned)
         if self.decision.copies > 1:
             passed["data_parallel"] = self.decision.copies
         if self.decision.tensor > 1:
@@ -480,8 +790,135 @@ class AutoChoice:
         for sharded in ("shard_optimizer", "shard_parameters"):
             if self.decision.settings.get(sharded):
                 passed[sharded] = True
-        self.backend = chosen(self.devices if len(devices) > 1 else devices, **passed)
-        return self.backend, host
+        return Candidate(self.decision.strategy, passed, self.decision.strategy, None, dict(self.decision.settings))
+
+    def _backend_of(self, candidate: Candidate) -> Backend:
+        """A new backend for ``candidate``, with the user's options that backend takes."""
+        from paraml import backends
+
+        chosen = backends.get_backend(candidate.strategy)
+        passed = {k: v for k, v in self.options.items() if k in chosen.option_names}
+        passed.update(candidate.options)
+        devices = self.local_devices()
+        return chosen(self.devices if len(devices) > 1 else devices, **passed)
+
+    # -- measure=True -------------------------------------------------------------------------------------------------
+    def _measure(
+        self,
+        host: HostModel | None,
+        estimate: MemoryEstimate | None,
+        trial: StepTrial,
+        memory: int | None,
+        num_devices: int,
+    ) -> Candidate | None:
+        """Time the layouts of :meth:`_candidates` (or read their times from the cache) and keep the measurement in
+        :attr:`decision`; return the fastest, or None when nothing was timed (the rule's choice stands, and
+        :attr:`decision` says why)."""
+        assert self.decision is not None
+        candidates: list[Candidate] = []
+        if num_devices < 2:
+            why_not = "one device: there is nothing to choose between"
+        elif host is None or estimate is None:
+            why_not = "the model could not be measured, so no layout was sized"
+        else:
+            candidates = self._candidates(host, estimate, trial, memory, num_devices)
+            why_not = "only one layout fits by the estimate" if len(candidates) < 2 else ""
+        if why_not:
+            self.decision = replace(self.decision, not_timed=why_not)
+            return None
+        assert host is not None
+        trial = trial.with_batch(host, self.options.get("sample"))
+        cache = MeasureCache()
+        key = cache_key(host.model, trial, self.local_devices(), candidates)
+        seconds, errors = cache.lookup(key)
+        timed_now = 0
+        if seconds is None or len(seconds) != len(candidates):
+            results = [self._time(candidate, trial) for candidate in candidates]
+            seconds, errors = [s for s, _ in results], [e for _, e in results]
+            timed_now = len(candidates)
+            cache.store(key, candidates, seconds, errors)
+        ran = {i: s for i, s in enumerate(seconds) if s is not None}
+        if not ran:  # every candidate failed: the rule's choice, with the reasons
+            self.decision = replace(self.decision, not_timed="every candidate failed: " + "; ".join(errors))
+            return None
+        fastest = min(ran, key=ran.__getitem__)
+        measured = Measurement(
+            tuple(candidates),
+            tuple(seconds),
+            fastest,
+            str(cache.path),
+            timed_now,
+            trial.steps,
+            trial.batch_size,
+            memory,
+            tuple(errors),
+        )
+        self.decision = measured.decided(self.decision)
+        return candidates[fastest]
+
+    def _time(self, candidate: Candidate, trial: StepTrial) -> tuple[float | None, str]:
+        """The median step time of ``candidate`` (None and why, when it failed: the others still compete)."""
+        import gc
+
+        try:
+            return trial.time(self._backend_of(candidate), remat=candidate.settings.get("remat", False)), ""
+        except Exception as error:  # a layout the backend refuses for this model: said in explain(), not fatal
+            warnings.warn(f"Parallel('auto', measure=True): {candidate.layout} failed: {error}", stacklevel=4)
+            return None, f"{type(error).__name__}: {str(error)[:200]}"
+        finally:
+            gc.collect()  # the candidate's model and optimizer state leave the devices before the next is built
+
+    def _candidates(
+        self, host: HostModel, estimate: MemoryEstimate, trial: StepTrial, memory: int | None, num_devices: int
+    ) -> list[Candidate]:
+        """The layouts worth timing, at most :data:`MAX_CANDIDATES`, in the order the rule prefers them, each that
+        fits by the estimate (all, when the device memory is unknown): ``mirrored`` as it is; ``mirrored`` with the
+        first saving of :data:`SAVINGS` that fits; copies of a 2-stage ``model_parallel`` pipeline (1F1B and
+        micro-batches unless the user chose)."""
+        sizing = {"batch_size": -(-trial.batch_size // num_devices), "optimizer": trial.optimizer}  # a replica's share
+
+        def fits(size: int) -> bool:
+            return memory is None or size <= memory
+
+        found = []
+        if fits(estimate.total):
+            found.append(Candidate("mirrored", {}, "mirrored", estimate.total, estimate=estimate))
+        saved = next(((k, e) for k, e in self._savings(host, trial.remat, sizing, num_devices) if fits(e.total)), None)
+        if saved is not None:
+            settings, with_saving = saved
+            options = {k: True for k in settings if k != "remat"}
+            layout = f"mirrored with {_settings(settings)}"
+            found.append(Candidate("mirrored", options, layout, with_saving.total, dict(settings), with_saving))
+        pipeline = self._pipeline_candidate(host, trial, num_devices)
+        if pipeline is not None and fits(pipeline.bytes or 0):
+            found.append(pipeline)
+        return found[:MAX_CANDIDATES]
+
+    def _pipeline_candidate(self, host: HostModel, trial: StepTrial, num_devices: int) -> Candidate | None:
+        """Copies of a 2-stage ``model_parallel`` pipeline over the devices, sized as :meth:`_size_pipeline` sizes
+        one (None: an odd number of devices, an explicit partition, fewer than 2 units)."""
+        from paraml.parallelism.remat import recomputing
+        from paraml.planning.optimizers import optimizer_slots_per_param
+
+        partition = self.options.get("partition", "balanced")
+        if num_devices % 2 or not isinstance(partition, str):
+            return None
+        stages, copies = 2, num_devices // 2
+        k = self.options.get("micro_batches") or DEFAULT_MICRO_BATCHES
+        k = k if k <= trial.batch_size // copies else 1  # micro-batches without rows
+        schedule = self.options.get("schedule") or ("1f1b" if k > 1 else "gpipe")
+        observed = host.observe(sample=self.options.get("sample"), recompute=recomputing if trial.remat else None)
+        held = StageHolding.of(observed, Schedule(schedule, stages, k), trial.batch_size, remat=trial.remat)
+        slots = optimizer_slots_per_param(trial.optimizer)
+        unlimited = 2**62  # sized here, compared with the device memory by the caller
+        found, largest, _ = fit_pipeline(lambda _: held, stages, unlimited, slots, partition, min_stages=stages)
+        if found != stages or largest == 0:
+            return None  # more stages than units
+        how = _pipeline_words(False, schedule, k, 1)
+        copied = f" x {copies} copies" if copies > 1 else ""
+        layout = f"model_parallel: 2-stage pipeline{copied}{how and ' ' + how}"
+        options = {"data_parallel": copies, "schedule": schedule, "micro_batches": k, "batch_size": trial.batch_size}
+        return Candidate("model_parallel", options, layout, largest)
 
     def _size_pipeline(
         self, host: HostModel | None, optimizer: Any, remat: bool, batch_size: int, memory: int, num_devices: int

@@ -70,7 +70,8 @@ class Parallel:
 
     ``strategy`` picks the backend: ``"single"``, ``"mirrored"``, ``"central_storage"``, ``"multi_worker"``,
     ``"model_parallel"``, or ``"auto"`` (decides at :meth:`build` from the cluster, the devices and the model's
-    memory; options ``device_memory="16GiB"`` and ``batch_size``; :meth:`explain` says why).
+    memory; options ``device_memory="16GiB"``, ``batch_size`` and ``measure=True`` (time the layouts that fit and
+    take the fastest); :meth:`explain` says why).
 
     ``devices=None`` means every local GPU, else the CPU (for data-parallel strategies, every logical CPU); an int
     means the first N devices; a sequence names them (``["GPU:0", "GPU:1"]``).
@@ -311,14 +312,20 @@ class Parallel:
         if self._backend is None:
             assert self._auto is not None
             self._seed_globals()  # auto's host build is the first build model_parallel would keep: seeded like it
-            self._backend, host_model = self._auto.choose(model_fn, planned_optimizer, self.remat)
+            # what measure=True compiles each candidate with (metrics cost the same under every layout)
+            timed_with = given_arguments(
+                optimizer=optimizer, loss=loss, loss_weights=loss_weights, auto_scale_loss=auto_scale_loss
+            )
+            self._backend, host_model = self._auto.choose(
+                model_fn, planned_optimizer, self.remat, compile_args=timed_with, jit_compile=self.jit_compile
+            )
             assert self._auto.decision is not None
             self.remat = self.remat or self._auto.decision.remat  # auto recomputes when only that makes it fit
             self._warn_if_alone()
         note = self._one_device_note()
         if note is not None and self._model is None:  # once per Parallel
             warnings.warn(note, stacklevel=2)
-        self._seed_globals()
+        self._seed_globals()  # again: measure=True built and trained candidates since, which drew random numbers
         model = self.backend.build_model(model_fn, planned_optimizer, host_model, self.remat)
         if not isinstance(model, keras.Model):
             raise TypeError(f"model_fn must return a keras.Model, it returned {type(model).__name__}")

@@ -509,6 +509,32 @@ def _per_output(loss: Any, outputs: Any, model: Any) -> list[Any]:
     return [loss] * len(flat)
 
 
+def zero_targets(model: Any, loss: Any, outputs: Any) -> Any:
+    """Targets of zeros for ``outputs`` (arrays, in their structure) that ``loss`` accepts: class ids (int32, the
+    outputs' shape without its last axis) for a sparse loss, and for the default loss of an output with a class axis
+    (as :func:`observe_units` takes it); zeros shaped like the output otherwise. What a step costs, not what it
+    learns: the values mean nothing.
+
+    Example:
+        >>> import numpy as np
+        >>> [t.shape for t in zero_targets(None, ["sparse_categorical_crossentropy", "mse"], [np.ones((2, 5))] * 2)]
+        [(2,), (2, 5)]
+    """
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    flat = [np.asarray(o) for o in tf.nest.flatten(outputs)]
+    targets = []
+    for output, function in zip(flat, _per_output(loss, outputs, model)):
+        if isinstance(function, (str, dict)):
+            function = keras.losses.get(function)
+        logits = output.ndim >= 2 and output.shape[-1] != 1
+        sparse = logits if function is None else _is_sparse(function)
+        targets.append(np.zeros(output.shape[:-1], "int32") if sparse else np.zeros_like(output))
+    return tf.nest.pack_sequence_as(outputs, targets)
+
+
 def _traced_loss(model: Any, loss: Any, outputs: Any, targets: Any) -> Any:
     """The scalar loss of one training step on ``outputs``, as the training step computes it (see
     :func:`observe_units`): each floating output's loss (given, or the default) against ``targets`` or zero targets
@@ -643,19 +669,27 @@ def _measure_step(
     )
 
 
-def _probe_rows(batch: Any) -> list[Any]:
-    """Batches of :data:`PROBE_ROWS` rows taken from ``batch`` (its rows repeated as needed)."""
+def repeat_rows(batch: Any, rows: int) -> Any:
+    """``rows`` rows of ``batch`` (a structure of arrays), its rows repeated as needed.
+
+    Example:
+        >>> import numpy as np
+        >>> repeat_rows({"x": np.arange(3)}, 5)["x"].tolist()
+        [0, 1, 2, 0, 1]
+    """
     import numpy as np
     import tensorflow as tf
 
-    def take(rows: int) -> Any:
-        def rows_of(array: Any) -> Any:
-            array = np.asarray(array)
-            return np.take(array, np.arange(rows) % len(array), axis=0)
+    def rows_of(array: Any) -> Any:
+        array = np.asarray(array)
+        return np.take(array, np.arange(rows) % len(array), axis=0)
 
-        return tf.nest.map_structure(rows_of, batch)
+    return tf.nest.map_structure(rows_of, batch)
 
-    return [take(rows) for rows in PROBE_ROWS]
+
+def _probe_rows(batch: Any) -> list[Any]:
+    """Batches of :data:`PROBE_ROWS` rows taken from ``batch`` (its rows repeated as needed)."""
+    return [repeat_rows(batch, rows) for rows in PROBE_ROWS]
 
 
 def _probe_batches(model: Any, sample: Any, unknown: int) -> tuple[list[Any], bool]:
