@@ -101,6 +101,8 @@ def test_bad_schedules_are_refused_before_training():
         ValueError, match=r"virtual_stages >= 2 .* got 1; with one chunk per device use schedule='1f1b'"
     ):
         Schedule("interleaved", 2, 4, virtual_stages=1)
+    with pytest.raises(ValueError, match=r"Parallel\('auto'\) sizes pipelines of one stage per device"):
+        Parallel("auto", devices=2, schedule="interleaved")
     with pytest.raises(ValueError, match=r"virtual_stages must be an int >= 1, got 'two'"):
         Parallel("model_parallel", devices=2, micro_batches=4, schedule="interleaved", virtual_stages="two")
 

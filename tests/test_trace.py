@@ -124,11 +124,6 @@ def test_merge_intervals():
     assert merge_intervals([(0.0, 1.0), (2.0, 2.5)]) == [(0.0, 1.0), (2.0, 2.5)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="GPipe skips empty micro-batches in a tf.cond (pipeline.py, _run); the gradient of a micro-batch after "
-    "the first runs on the default device, not on its stage's (measured with this trace, TF 2.21)",
-)
 def test_gpipe_runs_each_stages_backward_pass_on_its_device():
     par = pipeline("gpipe")
     trace = trace_step(par, *batch())

@@ -663,6 +663,12 @@ class AutoChoice:
             self.options["device_memory"] = parse_size(self.options["device_memory"])
         if not isinstance(self.options.get("measure", False), bool):
             raise ValueError(f"measure must be True or False, got {self.options['measure']!r}")
+        if self.options.get("schedule") == "interleaved":  # its stages are model chunks, several per device
+            raise ValueError(
+                "Parallel('auto') sizes pipelines of one stage per device, and schedule='interleaved' puts several "
+                "model chunks on each: use Parallel('model_parallel', schedule='interleaved', virtual_stages=2), or "
+                "give auto schedule='gpipe', '1f1b' or 'zero_bubble'"
+            )
         self.backend: Backend | None = None
         self.decision: AutoDecision | None = None
         #: When no pipeline holds the model's largest unit: that unit's bytes at best, and the sentence naming it.

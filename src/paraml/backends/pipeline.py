@@ -85,10 +85,13 @@ class Pipeline:
     ) -> Any:
         """Each part through the model (and ``objective``); returns (the joined outputs, the summed loss parts).
 
-        A part after the first is empty when the batch has fewer rows than ``micro_batches`` (a short last batch):
-        it is skipped (in a ``tf.cond`` when its size is known only at run time), as an empty batch would feed NaN
-        into layers such as BatchNormalization. The joined outputs keep the parts' Keras masks.
+        A part after the first is empty when the batch has fewer rows than ``micro_batches`` (a short last batch).
+        A model with batch statistics (BatchNormalization: float state that is not trained) would turn it into NaN,
+        so there it is skipped, in a ``tf.cond`` when its size is known only at run time. Any other model runs it, as
+        1F1B does: the gradient of a ``tf.cond`` runs on the default device, not on each stage's (measured with
+        :func:`paraml.bench.trace.trace_step`). The joined outputs keep the parts' Keras masks.
         """
+        batch_statistics = any(w.dtype.startswith("float") for w in model.non_trainable_weights)
         outputs, masks, losses = [], [], []
         for i, (x_part, *rest) in enumerate(parts):
 
@@ -105,7 +108,7 @@ class Pipeline:
                 static = first.shape[0]
                 if static == 0:
                     continue
-                if static is None and self.skips_empty():
+                if static is None and batch_statistics and self.skips_empty():
                     empty = tf.nest.map_structure(lambda t: t[:0], (outputs[0], masks[0]))
                     y_pred, mask, loss = tf.cond(
                         tf.shape(first)[0] > 0, step, lambda empty=empty: (*empty, tf.zeros_like(losses[0]))
