@@ -304,3 +304,24 @@ def test_inspect_says_what_a_checkpoint_holds_before_a_resume(tmp_path, data):
         [*command, str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=120, env=env
     )
     assert missing.returncode == 2 and "no checkpoint at" in missing.stderr
+
+
+def test_par_save_in_the_background_restores_like_a_synchronous_save(tmp_path, data):
+    """par.save(asynchronous=True) returns while the write goes on; training on, restoring, or saving again waits for
+    it; the checkpoint equals a synchronous save of the same state (weights and Adam's slots)."""
+    x, y = data
+    par = make("mirrored", 2, shard_optimizer=True)
+    par.fit(x, y, batch_size=50, epochs=1, verbose=0)
+    want = [v.numpy() for v in par.model.weights + par.model.optimizer.variables]
+    background = par.save(tmp_path / "background", asynchronous=True)
+    par.fit(x, y, batch_size=50, epochs=2, initial_epoch=1, verbose=0)  # waits for the write before changing state
+    assert latest_checkpoint(tmp_path / "background") == background
+    par.save(tmp_path / "synchronous")
+    restored = make("single")
+    restored.restore(tmp_path / "background")
+    got = [v.numpy() for v in restored.model.weights + restored.model.optimizer.variables]
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="asynchronous must be True or False, got 'yes'"):
+        par.save(tmp_path / "bad", asynchronous="yes")

@@ -24,7 +24,7 @@ from paraml.backends.base import Backend
 from paraml.checks import check_int, check_verbose, did_you_mean
 from paraml.devices import no_gpu_reason
 from paraml.loop.batches import GlobalBatches, global_batches, split_validation, zeros_like_spec
-from paraml.loop.checkpoint import Checkpointing, CheckpointState, restore_checkpoint, save_checkpoint, workers_of
+from paraml.loop.checkpoint import Checkpointing, CheckpointState, CheckpointWriter, restore_checkpoint, workers_of
 from paraml.loop.compiling import (
     MODEL_DEFAULT,
     check_compile_names,
@@ -132,6 +132,9 @@ class Parallel:
         self._model: keras.Model | None = None
         self._pending_compile: dict[str, Any] | None = None  # a lazily built model compiles at its first batch
         self._epochs_done = 0
+        #: Writes ``save(..., asynchronous=True)``'s checkpoints in the background; the next save, restore and fit
+        #: wait for it.
+        self._saves = CheckpointWriter(asynchronous=True)
         self._auto: AutoChoice | None = None
         self._backend: Backend | None = None
         if strategy == "auto":
@@ -468,6 +471,7 @@ class Parallel:
         self._require_model("fit")
         _check_fit_arguments(epochs, initial_epoch, steps_per_epoch, validation_steps, validation_freq)
         _check_checkpoint_arguments(checkpoint_dir, checkpoint_every, keep, async_checkpoint)
+        self._saves.wait()  # a background par.save is complete before training changes the variables again
         verbosity = check_verbose(verbose, 1 if self.is_chief else 0)  # progress bars: the chief's by default
         callbacks = self._callbacks(callbacks)
         if validation_split and validation_data is not None:
@@ -577,17 +581,23 @@ class Parallel:
         return self._ready("predict", source).predict(source, verbose=check_verbose(verbose, 0))
 
     # -- checkpoints ---------------------------------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike[str], *, keep: int | None = None) -> Path:
+    def save(self, path: str | os.PathLike[str], *, keep: int | None = None, asynchronous: bool = False) -> Path:
         """Save weights, optimizer state, the epochs done and the shuffling seed into the directory ``path``.
 
         The write is atomic (a crash during ``save`` leaves the previous checkpoint readable), in TensorFlow's
         checkpoint format, and restores under any backend. In a cluster (``multi_worker``) every worker calls it and
         writes its own shard of the checkpoint (the tensors it owns, its optimizer slots as they are: no worker gathers
         the whole state), and every worker returns once it is complete. Returns the new checkpoint's folder.
+
+        ``asynchronous=True`` returns once the state is copied to host memory and writes it in the background
+        (TensorFlow's asynchronous checkpoint), made visible atomically as a synchronous save is; the next ``save``,
+        ``restore`` and ``fit`` wait for it and raise what it raised, and so does the program's end.
         """
+        if not isinstance(asynchronous, bool):
+            raise ValueError(f"asynchronous must be True or False, got {asynchronous!r}")
         trainer = self._ready("save")
         state = CheckpointState(self._epochs_done, 0, self.seed or 0)
-        folder = save_checkpoint(
+        folder = self._saves.save(
             path,
             trainer.model,
             trainer.optimizer,
@@ -595,9 +605,10 @@ class Parallel:
             keep=keep,
             write=self.is_chief,
             techniques=self.backend.techniques,
+            asynchronous=asynchronous,
             workers=workers_of(trainer.backend),
         )
-        if self.num_workers > 1:  # a collective: the others wait for the chief's write (they may restore it next)
+        if self.num_workers > 1 and not asynchronous:  # the others wait for the chief (they may restore it next)
             trainer.backend.across_workers(tf.constant(0))
         return folder
 
@@ -608,6 +619,7 @@ class Parallel:
         training stood: epochs done, steps into the next epoch, and the seed its data order came from.
         """
         trainer = self._ready("restore")
+        self._saves.wait()  # a background save of this Parallel's is complete before anything is read
         state = restore_checkpoint(path, trainer.model, trainer.optimizer, self.backend.techniques)
         self._epochs_done = state.epoch
         return state
