@@ -78,6 +78,18 @@ def test_a_1f1b_pipeline_where_no_replica_and_no_plain_pipeline_fits(reference):
     assert_trains_like_single(par, initial, reference)
 
 
+def test_a_recomputing_1f1b_pipeline_auto_chose_trains_like_single(reference):
+    """Between the 1F1B pipeline's figure (~324 KiB) and the recomputing one's (~308 KiB): auto turns remat on in a
+    2-stage 1F1B pipeline, and that pipeline trains to single's weights."""
+    par, initial = train("auto", 2, device_memory="315KiB", batch_size=BATCH)
+    text = par.explain()
+    assert par.strategy == "model_parallel" and par.remat, text
+    assert (par.backend.micro_batches, par.backend.schedule.kind) == (4, "1f1b")
+    assert "with remat=True and schedule='1f1b' and micro_batches=4" in text, text
+    assert par.plan.remat and par.plan.partition.largest_stage_bytes <= 315 * 1024
+    assert_trains_like_single(par, initial, reference)
+
+
 def test_micro_batches_1_keeps_auto_from_trying_1f1b():
     with pytest.raises(ValueError, match="found no layout that fits the 2 device") as refused:
         Parallel("auto", devices=2, device_memory="300KiB", batch_size=BATCH, micro_batches=1).build(
