@@ -245,7 +245,7 @@ def test_gradient_accumulation_keeps_each_parts_sums_on_its_device():
     reference, want = trained("single", mlp, mlp_data(), logits_loss(), optimizer=adam())
     par, got = trained("model_parallel", mlp, mlp_data(), logits_loss(), optimizer=adam(), devices=2, tensor_parallel=2)
     assert_same_training(par, reference, got, want, mlp_data()[0])
-    accumulated = [a.device for a in par._trainer.step.accumulators]
+    accumulated = [a.device for a in par._trainer.step.accumulator.sums]
     parts = par.trained_variables
     assert accumulated == [v.value.device for v in parts]  # each part's on the part's device
     assert len(set(accumulated)) == 2

@@ -75,6 +75,29 @@ def test_sharded_training_equals_mirrored(option, model_fn, optimizer, chunk, mo
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6, err_msg=got.path)
 
 
+def test_accumulated_gradients_live_once_on_their_owners():
+    """Gradient accumulation under ZeRO-2: each variable's running sum lives on its owner only (the four devices' sums
+    add up to one copy of the gradients, none holding more than a quarter plus the largest), and training equals
+    unsharded mirrored's with its sum on every replica (Adam, 2 epochs, rtol 1e-5)."""
+
+    def adam() -> keras.optimizers.Optimizer:
+        return keras.optimizers.Adam(0.01, gradient_accumulation_steps=2)
+
+    plain, plain_history = train(mlp, adam())
+    sharded, sharded_history = train(mlp, adam(), shard_gradients=True)
+    np.testing.assert_allclose(sharded_history.history["loss"], plain_history.history["loss"], rtol=1e-5)
+    for got, want in zip(sharded.model.get_weights(), plain.model.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    held: dict[str, int] = {}
+    for total in sharded._trainer.step.accumulator.sums.values():
+        held[total.device] = held.get(total.device, 0) + total.numpy().nbytes
+    sizes = [v.numpy().nbytes for v in sharded.model.trainable_variables]
+    assert len(held) == 4 and sum(held.values()) == sum(sizes), held
+    assert max(held.values()) <= sum(sizes) / 4 + max(sizes), held
+    replicated = plain._trainer.step.accumulator.sums  # the unsharded run's: a copy per replica
+    assert sum(v.numpy().nbytes for v in replicated) == sum(sizes) and len(replicated[0].values) == 4
+
+
 def gpt2() -> keras.Model:
     """A keras_hub GPT-2 (2 blocks, its default dropout), tiny."""
     backbone = keras_hub.models.GPT2Backbone(
@@ -157,8 +180,9 @@ def test_bad_sharding_options_are_refused_naming_the_choices():
 
 @pytest.mark.slow
 def test_shard_gradients_across_two_workers_trains_as_mirrored_and_restores_under_single(tmp_path):
-    """``paraml launch -n 2`` with ``shard_gradients=True``: the workers' weights equal unsharded ``mirrored`` on 2
-    devices from the same start, and the chief's checkpoint restores under ``single`` to the same predictions."""
+    """``paraml launch -n 2`` with ``shard_gradients=True`` and gradient accumulation (its sums on their owners,
+    across the workers): the workers' weights equal unsharded ``mirrored`` on 2 devices from the same start, and the
+    checkpoint restores under ``single`` to the same predictions."""
     script = Path(__file__).parent / "scripts" / "zero_worker.py"
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     done = run_process([sys.executable, "-m", "paraml", "launch", "-n", "2", str(script), str(tmp_path)], 300, env=env)
@@ -173,7 +197,7 @@ def test_shard_gradients_across_two_workers_trains_as_mirrored_and_restores_unde
         sys.path.pop(0)
     x, y = worker_data()
     par = Parallel("mirrored", devices=2, seed=2)
-    par.build(worker_tagger, optimizer="adam", loss=LOSS)
+    par.build(worker_tagger, optimizer=keras.optimizers.Adam(gradient_accumulation_steps=2), loss=LOSS)
     par.model.set_weights([w0[f"initial{i}"] for i in range(count)])
     history = par.fit(x, y, batch_size=32, epochs=2, verbose=0)
     np.testing.assert_allclose(w0["loss"], history.history["loss"], rtol=1e-5)

@@ -1,6 +1,6 @@
 """A worker of `paraml launch`: trains a model with an Embedding (a sparse gradient) and Dense layers under
-Parallel("multi_worker", shard_gradients=True) (ZeRO-2: each gradient reduced to its owner by all-to-all), saves a
-checkpoint and what it got.
+Parallel("multi_worker", shard_gradients=True) (ZeRO-2: each gradient reduced to its owner by all-to-all) with
+gradient accumulation, saves a checkpoint and what it got.
 
 Usage: zero_worker.py OUT_DIR
 """
@@ -37,7 +37,9 @@ if __name__ == "__main__":
     import numpy as np
 
     x, y = data()
-    par.build(tagger, optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    # with gradient accumulation: its running sums on their owners too, reduced to them across the workers
+    optimizer = keras.optimizers.Adam(gradient_accumulation_steps=2)
+    par.build(tagger, optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     initial = par.model.get_weights()
     history = par.fit(x, y, batch_size=32, epochs=2, verbose=0)
     par.save(os.path.join(sys.argv[1], "ckpt"))

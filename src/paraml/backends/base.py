@@ -28,7 +28,7 @@ import tensorflow as tf
 from paraml.parallelism.apply import apply_plan
 from paraml.planning.plan import DeviceMesh, Layout, ParallelPlan
 
-__all__ = ["Backend", "Capabilities", "DeviceSpec", "Layout", "Objective", "Techniques", "Topology"]
+__all__ = ["Accumulator", "Backend", "Capabilities", "DeviceSpec", "Layout", "Objective", "Techniques", "Topology"]
 
 #: What users pass as ``devices=``: None (all), a count, a device name or a sequence of names.
 DeviceSpec = None | int | str | Sequence[str]
@@ -39,6 +39,18 @@ DeviceSpec = None | int | str | Sequence[str]
 #: counts); it also updates the metrics. Call it right after the forward pass of that part: it reads
 #: ``model.losses`` of the latest call.
 Objective = Callable[[Any, Any, Any, Any], tf.Tensor]
+
+
+class Accumulator(Protocol):
+    """Gradient accumulation's running sums between updates, called in a replica's step: ``accumulate`` adds a step's
+    gradients, ``with_sums`` gives the gradients the updating step hands the optimizer (this step's and the sums,
+    over ``steps`` steps), ``reset`` empties the sums after the update."""
+
+    def accumulate(self, grads: list[Any]) -> None: ...
+
+    def with_sums(self, grads: list[Any], steps: float) -> list[Any]: ...
+
+    def reset(self) -> None: ...
 
 
 class Techniques(Protocol):
@@ -73,6 +85,11 @@ class Techniques(Protocol):
     def restorable_state(self, optimizer: Any) -> list[tuple[Any | None, tuple[int, ...]]]:
         """Each saved optimizer variable as a restore fills it: the variable (None: another worker's) and its
         whole shape."""
+        ...
+
+    def owned_sums(self, variables: list[Any], topology: Topology) -> Accumulator | None:
+        """Gradient accumulation's sums kept on each variable's owner only, when the plan shards the gradients
+        (ZeRO-2, 3); None: the loop keeps a sum per replica. Called in the backend's scope."""
         ...
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from paraml.backends.base import Backend, Objective
+from paraml.backends.base import Accumulator, Backend, Objective
 from paraml.internals import keras_mask
 from paraml.loop.batches import GlobalBatches, zeros_like_spec
 from paraml.loop.compiling import STEP_METHODS, extra_optimizers, overrides
@@ -113,6 +113,42 @@ def _returns_a_scalar(loss: Any, y: Any, y_pred: Any) -> bool:
     return False
 
 
+class ReplicatedSums:
+    """Gradient accumulation's running sums, one copy per replica, each beside its variable (a stage's, a part's) as
+    the optimizer's slots are: every accumulating step adds the all-reduced gradients; the updating step adds each
+    replica's share of the sums to its own gradients, so the optimizer's reduction brings the whole to every replica.
+    """
+
+    def __init__(self, variables: list[Any], backend: Backend) -> None:
+        self.all_reduce_sum = backend.all_reduce_sum
+        self.replicas = backend.topology.num_replicas
+        strategy = tf.distribute.get_strategy()
+        self.sums: list[tf.Variable] = []
+        for v in variables:
+            # a variable the strategy did not make (ZeRO-3's, on its owner) gets the strategy's copy per replica
+            beside = strategy.extended.variable_created_in_scope(v.value)
+            with strategy.extended.colocate_vars_with(v.value) if beside else contextlib.nullcontext():
+                self.sums.append(
+                    tf.Variable(
+                        tf.zeros(v.shape, v.dtype),
+                        trainable=False,
+                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,  # the same on every replica
+                        name="accumulated_" + v.name,
+                    )
+                )
+
+    def accumulate(self, grads: list[tf.Tensor]) -> None:
+        for total, g in zip(self.sums, self.all_reduce_sum(grads)):
+            total.assign_add(g)
+
+    def with_sums(self, grads: list[tf.Tensor], steps: float) -> list[tf.Tensor]:
+        return [(g + a / self.replicas) / steps for g, a in zip(grads, self.sums)]
+
+    def reset(self) -> None:
+        for total in self.sums:
+            total.assign(tf.zeros_like(total))
+
+
 class ReplicaStep:
     """The per-replica work of one compiled model on one backend, and the cache of ``tf.function`` s that run it.
 
@@ -136,24 +172,14 @@ class ReplicaStep:
         )
         self.accumulation_steps = accumulation_steps
         self.updates_done = 0  # training steps run, for the accumulation pattern
-        self.accumulators: list[tf.Variable] | None = None
+        #: The gradients' running sums between updates (None without gradient accumulation): on each variable's
+        #: owner only when the plan shards the gradients (ZeRO-2, 3), else a sum per replica.
+        self.accumulator: Accumulator | None = None
         if accumulation_steps:
-            self.accumulators = []
             with backend.scope():
-                strategy = tf.distribute.get_strategy()
-                for v in backend.techniques.trained_variables(model):
-                    # Beside its variable (a stage's, a part's), as the optimizer's slots are; a variable the strategy
-                    # did not make (ZeRO-3's, on its owner) gets the strategy's copy per replica
-                    beside = strategy.extended.variable_created_in_scope(v.value)
-                    with strategy.extended.colocate_vars_with(v.value) if beside else contextlib.nullcontext():
-                        self.accumulators.append(
-                            tf.Variable(
-                                tf.zeros(v.shape, v.dtype),
-                                trainable=False,
-                                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,  # the same on every replica
-                                name="accumulated_" + v.name,
-                            )
-                        )
+                variables = backend.techniques.trained_variables(model)
+                owned = backend.techniques.owned_sums(variables, backend.topology)
+                self.accumulator = owned if owned is not None else ReplicatedSums(variables, backend)
         self.jit_compile = jit_compile
         self._colocate = backend.capabilities.colocates_gradients
         self._xla_gradients = tf.function(self._replica_gradients, jit_compile=True)
@@ -341,21 +367,17 @@ class ReplicaStep:
         global_rows = self.backend.all_reduce_sum(tf.cast(rows, tf.float32))
         grads = self._gradients(x, y, w, rows, global_rows, weighted)
         variables = self.backend.techniques.trained_variables(self.model)
-        if self.accumulators is None:
+        if self.accumulator is None:
             self.optimizer.apply_gradients(zip(grads, variables))
             return
         # Keras' rule: every n-th step applies (sum of the n steps' gradients) / n; the others only accumulate.
         grads = [tf.convert_to_tensor(g) for g in grads]
         if not update:
-            for accumulator, g in zip(self.accumulators, self.backend.all_reduce_sum(grads)):
-                accumulator.assign_add(g)
+            self.accumulator.accumulate(grads)
             return
-        # The optimizer sums the replicas' gradients: each adds its share of what was accumulated (already summed).
-        steps = float(self.accumulation_steps or 1)
-        total = [(g + a / self.replicas) / steps for g, a in zip(grads, self.accumulators)]
+        total = self.accumulator.with_sums(grads, float(self.accumulation_steps or 1))
         self.optimizer.apply_gradients(zip(total, variables))
-        for accumulator in self.accumulators:
-            accumulator.assign(tf.zeros_like(accumulator))
+        self.accumulator.reset()
 
     def _test(self, x: Any, y: Any, w: Any, *, weighted: bool) -> None:
         objective = self._objective(False, weighted)
@@ -400,7 +422,7 @@ class ReplicaStep:
     # -- compiled executions ------------------------------------------------------------------------------------------
     def _updates(self, steps: int) -> tuple[bool, ...]:
         """Which of the next ``steps`` training steps apply the optimizer (all, without gradient accumulation)."""
-        if self.accumulators is None:
+        if self.accumulator is None:
             return (True,) * steps
         n = self.accumulation_steps or 1
         return tuple((self.updates_done + i + 1) % n == 0 for i in range(steps))
@@ -467,7 +489,7 @@ class ReplicaStep:
         def run(iterator: Iterator[Any], stop: tf.Tensor) -> Any:
             if steps == 1:  # a graph loop around one step costs 4-7% per step (measured): run it straight
                 backend.run(step(not updates or updates[0]), next(iterator))
-            elif self.accumulators is not None:  # which steps update is known here: unrolled, no cond
+            elif self.accumulator is not None:  # which steps update is known here: unrolled, no cond
                 for update in updates:
                     backend.run(step(update), next(iterator))
             else:

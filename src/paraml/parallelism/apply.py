@@ -133,6 +133,13 @@ class AppliedPlan:
             worker_index=topology.worker_index,
         )
 
+    def owned_sums(self, variables: list[Any], topology: Any) -> zero.OwnedSums | None:
+        """Gradient accumulation's sums on each variable's owner only when the plan shards the gradients (ZeRO-2 and
+        3): a sum per replica would be a whole copy of the gradients on every device."""
+        if self.plan.zero_stage < 2:
+            return None
+        return zero.OwnedSums(variables, topology.devices, topology.num_workers, topology.worker_index)
+
     def build_optimizer(self, optimizer: Any, model: keras.Model) -> None:
         """Create ``optimizer``'s slots for the trained variables (a part's slots on the part's device, saved
         joined)."""

@@ -29,10 +29,12 @@ Everything else is Keras' own code: the update rule (Adam, AdamW's weight decay,
 learning-rate schedule, clipping, a ``LossScaleOptimizer`` around it, sparse gradients. So the weights equal
 unsharded training.
 
-Checkpoints hold every slot and variable whole, by position, as for any optimizer: :func:`whole_state` gathers the
-other workers' slots for a save (into every worker's host memory, for the save's duration) and
-:func:`restorable_state` leaves them out of a restore, so a sharded run restores on any backend, device count or
-sharding, and the other way round.
+Gradient accumulation keeps its running sums on the owners too from stage 2 on (:class:`OwnedSums`).
+
+Checkpoints hold every slot and variable whole, by position, as for any optimizer. Across workers each worker writes
+its own slots into its shard of the checkpoint (:mod:`paraml.loop.shards`; :func:`restorable_state` says which it
+holds), and a restore fills only those; :func:`whole_state` gathers the other workers' slots only for a single-file
+save. So a sharded run restores on any backend, device count or sharding, and the other way round.
 
 Importing this module is cheap; TensorFlow is imported when an optimizer is sharded.
 """
@@ -60,7 +62,7 @@ from paraml.planning.plan import zero_option
 if TYPE_CHECKING:  # pragma: no cover
     import keras
 
-__all__ = ["ShardedSlots", "owned_variables", "restorable_state", "sharded_optimizer", "whole_state"]
+__all__ = ["OwnedSums", "ShardedSlots", "owned_variables", "restorable_state", "sharded_optimizer", "whole_state"]
 
 
 @dataclass(frozen=True)
@@ -382,6 +384,72 @@ def sharded_optimizer(
         },
     )
     return sharded.from_config(optimizer.get_config())
+
+
+class OwnedSums:
+    """Gradient accumulation under ZeRO-2 and 3: each trained variable's running sum lives on its owner replica only
+    (a sum per replica would be one more whole copy of the gradients on every device).
+
+    An accumulating step reduces each gradient to its owner, as the update does (:func:`_reduce_to_owners`), and adds
+    it there; the updating step adds the sum to the owner replica's gradient only, so the update's reduction brings
+    (the sum + this step's gradients) / steps to the owner, as replicated sums would. Made in the strategy's scope;
+    the owners are the sharded optimizer's (:func:`_variable_owners` of the same variables).
+    """
+
+    def __init__(self, variables: Sequence[Any], devices: Sequence[str], num_workers: int, worker_index: int) -> None:
+        import tensorflow as tf
+
+        self.devices = list(devices)
+        self.first = worker_index * len(devices)
+        self.replicas = num_workers * len(devices)
+        owner_of = _variable_owners(variables, devices, self.first, self.replicas)
+        self.values = [v.value for v in variables]
+        self.owners = [owner_of[id(value)] for value in self.values]
+        #: index of a variable this worker's replicas own -> its running sum, a plain variable on the owner's device
+        self.sums: dict[int, Any] = {}
+        for i, (value, owner) in enumerate(zip(self.values, self.owners)):
+            if self.first <= owner < self.first + len(devices):
+                with tf.variable_creator_scope(_plain_variable_on(self.devices[owner - self.first])):
+                    name = "accumulated_" + value.name.split(":")[0].replace("/", "_")
+                    self.sums[i] = tf.Variable(tf.zeros(value.shape, value.dtype), trainable=False, name=name)
+
+    def accumulate(self, grads: list[Any]) -> None:
+        """Add a step's gradients (this replica's) to their owners' sums: one reduction to the owners, across the
+        replicas."""
+        import tensorflow as tf
+
+        def add(strategy: Any, grads: list[Any]) -> None:
+            owned = [(g, value, owner) for g, value, owner in zip(grads, self.values, self.owners)]
+            for i, summed in _reduce_to_owners(strategy, self.devices, self.first, self.replicas, owned).items():
+                self.sums[i].assign_add(summed)
+
+        tf.distribute.get_replica_context().merge_call(add, args=(grads,))
+
+    def with_sums(self, grads: list[Any], steps: float) -> list[Any]:
+        """This replica's gradients over ``steps``, each with its sum added on the replica that owns it."""
+        replica = self._replica()
+        return [
+            (g + self.sums[i]) / steps if self.owners[i] == replica and i in self.sums else g / steps
+            for i, g in enumerate(grads)
+        ]
+
+    def reset(self) -> None:
+        """Empty the sums this replica owns."""
+        import tensorflow as tf
+
+        replica = self._replica()
+        for i, total in self.sums.items():
+            if self.owners[i] == replica:
+                total.assign(tf.zeros_like(total))
+
+    @staticmethod
+    def _replica() -> int:
+        """The replica being traced, its global index (0 outside a replica context)."""
+        import tensorflow as tf
+
+        context = tf.distribute.get_replica_context()
+        replica = tf.get_static_value(context.replica_id_in_sync_group) if context is not None else 0
+        return int(replica or 0)
 
 
 def _one(distribution: Any, value: Any) -> Any:
