@@ -14,7 +14,9 @@ order (each later one wraps the earlier ones, so the order is the meaning):
    mesh's stage ``s % stages``.
 3. **Recompute** (``remat``): each unit's ``call`` under ``tf.recompute_grad``. It wraps 2, so the recompute runs on
    the unit's stage.
-4. At compile, through the returned :class:`AppliedPlan`: **sharded model state** (ZeRO-1 to 3) and the slots of a
+4. **Reads one unit ahead** (ZeRO-3): each unit's ``call`` waits for the inputs of the unit called before it, so
+   its weights are read from their owners once that unit can start (:class:`paraml.parallelism.zero.ReadAhead`).
+5. At compile, through the returned :class:`AppliedPlan`: **sharded model state** (ZeRO-1 to 3) and the slots of a
    split weight's parts; the **cross-entropy of split logits** computed on the slices.
 
 The returned :class:`AppliedPlan` is what the loop reads through the backend (``backend.techniques``): the variables
@@ -77,6 +79,11 @@ def apply_plan(model: keras.Model, plan: ParallelPlan, gate: Gate | None = None)
 
     # 3. recompute: wraps 2, so the recompute runs where the unit does
     recomputed = recompute_units(model) if plan.remat else []
+
+    # 4. ZeRO-3: each unit's forward pass (its weights' reads) after the previous unit's inputs; wraps 3, so the
+    # recomputed backward pass keeps waiting on its output gradient only
+    if plan.zero_stage == 3:
+        zero.ReadAhead().attach([layer for _, layer in model_units(model)])
     return AppliedPlan(plan, split, recomputed)
 
 

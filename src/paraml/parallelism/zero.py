@@ -18,7 +18,9 @@ worker, worker after worker), and each stage keeps one more thing on the owner o
 3. **parameters** (``shard_parameters``, one machine): the variable itself lives only on its owner (created there by
    :func:`owned_variables`), each replica reads it where it computes with it, and the units recompute in their
    backward pass (``remat``) so that a replica's copy lives only while its unit runs, in the forward and again in
-   the backward pass. The owner's update is the only copy: nothing is broadcast. (DeepSpeed frees a layer's gathered
+   the backward pass, and each unit's forward pass waits for the unit before it (:class:`ReadAhead`), so its
+   weights are read one unit ahead instead of all at the step's start. The owner's update is the only copy: nothing
+   is broadcast. (DeepSpeed frees a layer's gathered
    weights after its forward pass without recomputing; a TensorFlow gradient holds the weights its layer read.)
 
 The optimizer is the user's Keras optimizer class, subclassed at run time (:func:`sharded_optimizer`) where a slot is
@@ -41,6 +43,7 @@ Importing this module is cheap; TensorFlow is imported when an optimizer is shar
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -62,7 +65,15 @@ from paraml.planning.plan import zero_option
 if TYPE_CHECKING:  # pragma: no cover
     import keras
 
-__all__ = ["OwnedSums", "ShardedSlots", "owned_variables", "restorable_state", "sharded_optimizer", "whole_state"]
+__all__ = [
+    "OwnedSums",
+    "ReadAhead",
+    "ShardedSlots",
+    "owned_variables",
+    "restorable_state",
+    "sharded_optimizer",
+    "whole_state",
+]
 
 
 @dataclass(frozen=True)
@@ -169,6 +180,43 @@ def owned_variables(devices: Sequence[str]) -> Iterator[None]:
 
     with tf.variable_creator_scope(create):
         yield
+
+
+class ReadAhead:
+    """ZeRO-3's reads of the weights, one unit ahead of the computation: each unit's ``call`` (its forward pass)
+    waits for the inputs of the unit called before it, so a replica reads (on GPUs: receives) a unit's weights from
+    their owners once the unit before it can start, not all units' at the start of the step.
+
+    Why: a variable read has no input but the variable, so TensorFlow's executor runs every read as soon as the step
+    starts (measured with :func:`paraml.bench.trace.trace_step`: every owner sent all its weights in the step's first
+    0.2 ms), and each replica would hold every unit's weights at once. The recomputed backward pass reads again
+    after its output gradient, which ``tf.recompute_grad`` already waits for. What each replica traces is kept per
+    graph (so a trace never reaches into another one's tensors) and per replica.
+    """
+
+    def __init__(self) -> None:
+        self._started: weakref.WeakKeyDictionary[Any, dict[int, list[Any]]] = weakref.WeakKeyDictionary()
+
+    def attach(self, layers: Sequence[Any]) -> None:
+        """Make each of ``layers`` (units, in any order) wait for the previous unit's inputs when called."""
+        for layer in layers:
+            layer.call = self._waiting(layer.call)
+
+    def _waiting(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        import tensorflow as tf
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            graph = tf.compat.v1.get_default_graph()
+            if tf.executing_eagerly():  # an eager call reads its variables where it runs them: nothing to order
+                return original(*args, **kwargs)
+            started = self._started.setdefault(graph, {})
+            replica = OwnedSums._replica()
+            previous = started.get(replica, [])
+            started[replica] = [t for t in tf.nest.flatten((args, kwargs)) if isinstance(t, tf.Tensor)]
+            with tf.control_dependencies(previous):
+                return original(*args, **kwargs)
+
+        return call
 
 
 def _is_copied(variable: Any) -> bool:
