@@ -3,15 +3,18 @@
 One configuration per fresh process (``--one``): the process simulates 2 logical CPUs, builds the MLP of
 ``benchmarks/bench_memory.py`` (16 Dense layers of 512 with GELU, a Dense of 10) under
 ``Parallel("model_parallel", devices=2, micro_batches=M, schedule=S, batch_size=B)`` with Adam, runs one training
-step (traced and built), resets the allocator's peak (``tf.config.experimental.reset_memory_stats("CPU:0")``) and
-reads ``get_memory_info("CPU:0")["peak"]`` after one more step.
+step (traced and built), collects the garbage that step left (Keras' copies of its data, in reference cycles),
+resets the allocator's peak (``tf.config.experimental.reset_memory_stats("CPU:0")``) and reads
+``get_memory_info("CPU:0")["peak"]`` after one more step.
 
 Logical CPUs share one allocator, so what is compared is the total: the sum of the stages' figures (each stage's
 parameters, gradients, optimizer slots, the activations of the micro-batches it holds at its peak under the
-schedule, and on the last stage the outputs and the loss' buffers) plus what the process holds besides them (the
-batch: its inputs and labels as tensors) against the allocator's peak of the step. The stages' peaks need not fall
-at the same moment, so the sum is a bound; under GPipe TensorFlow's dataflow executor also starts a micro-batch's
-backward pass before the last forward pass, so fewer than all micro-batches may be held at once.
+schedule, and on the last stage the outputs and the loss' buffers) plus what the process holds besides them: the
+input pipeline, measured the same way with the stages' model replaced by one Dense layer of 10 (``--one input``;
+Keras copies the arrays into a tensor and slices the batch from it, so it is about two batches here, where the data
+is one batch). The stages' peaks need not fall at the same moment, so the sum is a bound; under GPipe TensorFlow's
+dataflow executor also starts a micro-batch's backward pass before the last forward pass, so fewer than all
+micro-batches may be held at once.
 
     .venv/bin/python benchmarks/bench_stage_memory.py [--batch 16384] [--micro-batches 8] [--json PATH]
 """
@@ -26,7 +29,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "interleaved")
 
 
 def mlp():  # noqa: ANN201  (keras: imported late)
@@ -37,8 +40,18 @@ def mlp():  # noqa: ANN201  (keras: imported late)
     return keras.Sequential([keras.Input((512,)), *layers, keras.layers.Dense(10)])
 
 
+def tiny():  # noqa: ANN201  (keras: imported late)
+    """One Dense layer of 10 on the MLP's inputs: what a step holds besides a model's (``--one input``)."""
+    import keras
+
+    return keras.Sequential([keras.Input((512,)), keras.layers.Dense(10)])
+
+
 def one(schedule: str, micro_batches: int, batch: int) -> dict[str, object]:
-    """This process: the plan's stage figures and the allocator's peak of one training step."""
+    """This process: the plan's stage figures and the allocator's peak of one training step (schedule ``"input"``:
+    :func:`tiny` on one device, the input pipeline's peak)."""
+    import gc
+
     from paraml import simulate_devices
 
     simulate_devices(2)
@@ -51,15 +64,20 @@ def one(schedule: str, micro_batches: int, batch: int) -> dict[str, object]:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch, 512)).astype("float32")
     y = rng.integers(0, 10, batch)
-    par = Parallel(
-        "model_parallel", devices=2, seed=0, schedule=schedule, micro_batches=micro_batches, batch_size=batch
-    )
-    par.build(mlp, optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    if schedule == "input":
+        par = Parallel("single", seed=0)
+    else:
+        par = Parallel(
+            "model_parallel", devices=2, seed=0, schedule=schedule, micro_batches=micro_batches, batch_size=batch
+        )
+    model_fn = tiny if schedule == "input" else mlp
+    par.build(model_fn, optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     par.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=1, verbose=0)  # traced, optimizer built
+    gc.collect()  # the first fit's copies of the data, left in reference cycles
     tf.config.experimental.reset_memory_stats("CPU:0")
     par.fit(x, y, batch_size=batch, epochs=1, steps_per_epoch=1, verbose=0)
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-    stages = par.plan.stages
+    stages = par.plan.stages if schedule != "input" else ()
     return {
         "schedule": schedule,
         "micro_batches": micro_batches,
@@ -94,11 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     from paraml.bench.harness import environment, format_table, write_json
 
     records, rows = [], []
+    held_besides = measured("input", 1, args.batch)["peak"]  # the input pipeline's peak, the model's aside
     for micro_batches in args.micro_batches:
         for schedule in SCHEDULES:
             r = measured(schedule, micro_batches, args.batch)
             stages = r["stages"]
-            total = sum(s["peak"] for s in stages) + r["batch_bytes"]  # type: ignore[index, union-attr, operator]
+            r["input_bytes"] = held_besides
+            total = sum(s["peak"] for s in stages) + held_besides  # type: ignore[index, union-attr, operator]
             r["estimate"] = total
             r["ratio"] = total / r["peak"]  # type: ignore[operator]
             records.append(r)
@@ -108,14 +128,14 @@ def main(argv: list[str] | None = None) -> int:
                     str(micro_batches),
                     " / ".join(f"{s['peak'] / 1e6:.0f}" for s in stages),  # type: ignore[index, union-attr]
                     " / ".join(str(s["held"]) for s in stages),  # type: ignore[index, union-attr]
-                    f"{r['batch_bytes'] / 1e6:.0f}",  # type: ignore[operator]
+                    f"{held_besides / 1e6:.0f}",  # type: ignore[operator]
                     f"{total / 1e6:.0f}",
                     f"{r['peak'] / 1e6:.0f}",  # type: ignore[operator]
                     f"{r['ratio']:.2f}",
                 ]
             )
             print(f"{schedule} x {micro_batches}: done", file=sys.stderr, flush=True)
-    header = ["schedule", "micro-batches", "stage MB", "held", "batch MB", "sum MB", "peak MB", "sum/peak"]
+    header = ["schedule", "micro-batches", "stage MB", "held", "input MB", "sum MB", "peak MB", "sum/peak"]
     print(format_table(rows, header, markdown=True))
     for micro_batches in args.micro_batches:
         largest = {

@@ -167,8 +167,7 @@ class Pipeline:
                     "exists, but a loss over masked tokens is a mean over the whole batch's tokens; use "
                     "schedule='gpipe'"
                 )
-            grads = self._backward(part[0], variables, i, given=tf.nest.flatten(x_part))
-            summed = grads if summed is None else [_add(a, g) for a, g in zip(summed, grads)]
+            summed = self._backward(part[0], variables, i, given=tf.nest.flatten(x_part), summed=summed)
             totals.append(part)
             y_preds.append(y_pred)
             masks.append(mask)
@@ -182,15 +181,30 @@ class Pipeline:
         total += tf.stack([surrogate - tf.stop_gradient(surrogate), 0.0, 0.0])
         return total, concat_with_masks(y_preds, masks)
 
-    def _backward(self, loss: tf.Tensor, variables: list[Any], micro_batch: int, given: list[Any]) -> list[Any]:
-        """``loss``'s gradients for ``variables``, each stage's backward pass of ``micro_batch`` kept as the passes
-        the gates wait for (zero-bubble: the gradients of its units' inputs as ``B``, of its weights as ``W``).
-        ``given`` are the micro-batch's own inputs, whose gradients nobody needs."""
+    def _backward(
+        self, loss: tf.Tensor, variables: list[Any], micro_batch: int, given: list[Any], summed: list[Any] | None
+    ) -> list[Any]:
+        """``summed`` (the earlier micro-batches' gradients, or None) plus ``loss``'s gradients for ``variables``,
+        each added on its variable's device; each stage's backward pass of ``micro_batch`` is kept as the passes the
+        gates wait for (zero-bubble: the gradients of its units' inputs as ``B``, the sums of its weights' gradients
+        as ``W``). ``given`` are the micro-batch's own inputs, whose gradients nobody needs.
+
+        A weight pass ends with its gradients added into the running sums, and the next forward pass on the stage
+        waits for those sums: then each micro-batch's gradient is freed once added. Without a control dependency on
+        them, Grappler's arithmetic optimizer rewrites the chain of adds into one ``AddN`` of every micro-batch's
+        gradient, which holds all of them until the last one exists (measured: one more gradient buffer per
+        micro-batch, ``tests/test_stage_memory.py``)."""
         inputs = [
             (stage, t) for stage, tensors in self._inputs.items() for t in tensors if not any(t is g for g in given)
         ]
         # tf.gradients places each gradient op on its forward op's device (a tape's go to the default device)
         grads = tf.gradients(loss, variables + [t for _, t in inputs])
+        if summed is not None:
+            added = []
+            for a, g, v in zip(summed, grads, variables):
+                with tf.device(getattr(v, "value", v).device):
+                    added.append(a if g is None else g if a is None else _add(a, g))
+            grads[: len(variables)] = added
         weights: dict[int, list[Any]] = {}
         for g, v in zip(grads, variables):
             stage = self.variable_stage.get(id(v.value))
