@@ -34,6 +34,7 @@ import tensorflow as tf
 
 from paraml.parallelism import tensor_parallel, zero
 from paraml.parallelism.remat import recompute_units
+from paraml.parallelism.zero import current_replica
 from paraml.planning.observe import model_units, nested_layers
 from paraml.planning.plan import ParallelPlan
 
@@ -42,13 +43,6 @@ __all__ = ["AppliedPlan", "apply_plan", "current_replica"]
 #: ``gate(stage, inputs)``: what ``stage``'s forward pass of the micro-batch being traced waits for (a pipeline
 #: schedule); ``inputs`` are the unit's flattened arguments (the zero-bubble schedule takes their gradients apart).
 Gate = Callable[[int, Sequence[Any]], list[Any]]
-
-
-def current_replica() -> int:
-    """This worker's index of the replica being traced (0 outside a replica context)."""
-    context = tf.distribute.get_replica_context()
-    replica = tf.get_static_value(context.replica_id_in_sync_group) if context is not None else 0
-    return int(replica or 0)
 
 
 def apply_plan(model: keras.Model, plan: ParallelPlan, gate: Gate | None = None) -> AppliedPlan:

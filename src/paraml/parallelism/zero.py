@@ -210,13 +210,22 @@ class ReadAhead:
             if tf.executing_eagerly():  # an eager call reads its variables where it runs them: nothing to order
                 return original(*args, **kwargs)
             started = self._started.setdefault(graph, {})
-            replica = OwnedSums._replica()
+            replica = current_replica()
             previous = started.get(replica, [])
             started[replica] = [t for t in tf.nest.flatten((args, kwargs)) if isinstance(t, tf.Tensor)]
             with tf.control_dependencies(previous):
                 return original(*args, **kwargs)
 
         return call
+
+
+def current_replica() -> int:
+    """The index of the replica being traced, in its sync group (0 outside a replica context)."""
+    import tensorflow as tf
+
+    context = tf.distribute.get_replica_context()
+    replica = tf.get_static_value(context.replica_id_in_sync_group) if context is not None else 0
+    return int(replica or 0)
 
 
 def _is_copied(variable: Any) -> bool:
@@ -475,7 +484,7 @@ class OwnedSums:
 
     def with_sums(self, grads: list[Any], steps: float) -> list[Any]:
         """This replica's gradients over ``steps``, each with its sum added on the replica that owns it."""
-        replica = self._replica()
+        replica = current_replica()
         return [
             (g + self.sums[i]) / steps if self.owners[i] == replica and i in self.sums else g / steps
             for i, g in enumerate(grads)
@@ -485,19 +494,10 @@ class OwnedSums:
         """Empty the sums this replica owns."""
         import tensorflow as tf
 
-        replica = self._replica()
+        replica = current_replica()
         for i, total in self.sums.items():
             if self.owners[i] == replica:
                 total.assign(tf.zeros_like(total))
-
-    @staticmethod
-    def _replica() -> int:
-        """The replica being traced, its global index (0 outside a replica context)."""
-        import tensorflow as tf
-
-        context = tf.distribute.get_replica_context()
-        replica = tf.get_static_value(context.replica_id_in_sync_group) if context is not None else 0
-        return int(replica or 0)
 
 
 def _one(distribution: Any, value: Any) -> Any:
