@@ -8,6 +8,7 @@ import pytest
 
 from paraml import Parallel
 from paraml.bench.trace import TIMELINE_WIDTH, StepTrace, merge_intervals, trace_step, trace_steps
+from paraml.devices import canonical_device
 
 WIDTH = 64
 MATMULS = ("MatMul", "_MklMatMul", "_MklNativeFusedMatMul", "_FusedMatMul")
@@ -131,6 +132,26 @@ def test_gpipe_runs_each_stages_backward_pass_on_its_device():
     for unit in last_stage.layers:
         assert unit_matmuls(trace, unit, backward=False) == {device}, unit
         assert unit_matmuls(trace, unit, backward=True) == {device}, unit
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_each_stages_optimizer_update_runs_on_its_device(optimizer):
+    """The update's arithmetic runs where the variable and its slots live. Before, a pipeline's one-device strategy
+    ran Adam's update of stage 1's weights on stage 0's device and sent the results back."""
+    par = Parallel("model_parallel", devices=2, micro_batches=2, schedule="1f1b", partition="even")
+    par.build(mlp, optimizer=optimizer, loss="mse")
+    trace = trace_step(par, *batch())
+    prefix = par.model.optimizer.name + "/"
+    arithmetic = {"Mul", "Sub", "Sqrt", "RealDiv", "AddV2", "Square"}
+    update_ops = [op for op in trace.ops if op.name.startswith(prefix) and op.op in arithmetic]
+    assert update_ops
+    counts = {device: sum(op.device == device for op in update_ops) for device in par.devices}
+    placed = [canonical_device(v.value.device) for v in par.model.trainable_variables]
+    held = {device: placed.count(canonical_device(device)) for device in par.devices}
+    assert all(held.values())
+    # the same ops per variable on every stage: the counts follow where the variables live
+    per_variable = {counts[device] / held[device] for device in par.devices}
+    assert len(per_variable) == 1 and per_variable.pop() > 0, (counts, held)
 
 
 def test_shard_parameters_reads_each_units_weights_one_unit_ahead():

@@ -95,6 +95,23 @@ def _run_on_stage(layer: keras.layers.Layer, plan: ParallelPlan, stage: int, gat
     layer.call = call
 
 
+def _update_beside_variables(optimizer: Any) -> None:
+    """Make ``optimizer`` (this instance) run each variable's update step on the variable's device.
+
+    Why: a replica's strategy runs the whole update under the replica's one device (``OneDeviceStrategy`` does, for a
+    pipeline), so Adam's arithmetic for stage 1's weights ran on stage 0's device and its results were sent back
+    (seen in the step's trace). The slots already live beside their variable; the arithmetic now does too.
+    """
+    original = optimizer.update_step
+
+    def update_step(gradient: Any, variable: Any, learning_rate: Any) -> Any:
+        placed = variable.value if isinstance(variable, keras.Variable) else variable  # a Keras or a TF variable
+        with tf.device(placed.device):
+            return original(gradient, variable, learning_rate)
+
+    optimizer.update_step = update_step  # the public method, on this instance
+
+
 class AppliedPlan:
     """A plan's techniques as applied to one model: what the step, the optimizer and checkpoints ask of them
     (the :class:`paraml.backends.base.Techniques` contract).
@@ -121,18 +138,21 @@ class AppliedPlan:
 
     def prepare_optimizer(self, optimizer: Any, model: keras.Model, topology: Any) -> Any:
         """``optimizer`` with its slots (and, from ZeRO-2 on, its reduced gradients) on owner replicas when the plan
-        shards the model's state (ZeRO)."""
-        if not self.plan.zero_stage:
-            return optimizer
-        return zero.sharded_optimizer(
-            optimizer,
-            model.trainable_variables,
-            topology.devices,
-            self.sharded,
-            stage=self.plan.zero_stage,
-            num_workers=topology.num_workers,
-            worker_index=topology.worker_index,
-        )
+        shards the model's state (ZeRO), and each variable's update beside the variable when a replica spans
+        devices (stages, tensor shards)."""
+        if self.plan.zero_stage:
+            optimizer = zero.sharded_optimizer(
+                optimizer,
+                model.trainable_variables,
+                topology.devices,
+                self.sharded,
+                stage=self.plan.zero_stage,
+                num_workers=topology.num_workers,
+                worker_index=topology.worker_index,
+            )
+        if self.plan.stage_of() or self.split is not None:
+            _update_beside_variables(getattr(optimizer, "inner_optimizer", optimizer))  # a loss scale's inner one
+        return optimizer
 
     def owned_sums(self, variables: list[Any], topology: Any) -> zero.OwnedSums | None:
         """Gradient accumulation's sums on each variable's owner only when the plan shards the gradients (ZeRO-2 and
