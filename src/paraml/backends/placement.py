@@ -95,6 +95,12 @@ def place_model(
         costs, b.partition, b.schedule.chunks, slots, in_flight=held.in_flight, output_bytes=held.output_bytes
     )
     notes += _check_fits(b, partition, costs, slots, held)
+    if b.schedule.held_is_a_bound:
+        notes.append(
+            f"under gpipe the stages' figures are upper bounds: they count all {b.schedule.micro_batches} "
+            "micro-batches' activations, and TensorFlow's executor frees some earlier; schedule='1f1b' bounds them "
+            "by its order"
+        )
     if held.batch_bytes:
         notes.append(
             f"the stages' figures leave out the batch of {b.batch_size} rows, which the process holds besides them "

@@ -240,6 +240,19 @@ class Schedule:
         cells = len(rows) * self.stages
         return sum(cell == "" for row in rows for cell in row) / cells
 
+    @property
+    def held_is_a_bound(self) -> bool:
+        """Whether :meth:`most_in_flight` is only an upper bound of what runs: under GPipe nothing orders the passes
+        but TensorFlow's dataflow executor, which starts backward passes before the last forward pass and frees
+        earlier micro-batches' activations (measured: a stage held 0.3-0.6 of the figure,
+        ``benchmarks/bench_stage_memory.py``); the other schedules fix the order with control dependencies.
+
+        Example:
+            >>> Schedule("gpipe", 2, 8).held_is_a_bound, Schedule("1f1b", 2, 8).held_is_a_bound
+            (True, False)
+        """
+        return self.kind == "gpipe" and self.micro_batches > 1
+
     def most_in_flight(self) -> list[int]:
         """Per chunk, the most micro-batches whose forward pass has run there and whose backward pass (zero-bubble:
         weight-gradient pass) has not: the activations it holds at once, in :meth:`timeline`.
