@@ -101,6 +101,8 @@ def test_a_parallel_that_trained_untraced_is_refused() -> None:
     par.fit(*batch(), batch_size=ROWS, epochs=1, verbose=0)
     with pytest.raises(ValueError, match="no record of which device runs each op"):
         device_memory_peaks(par, *batch())
+    with pytest.raises(ValueError, match="warmup"):
+        device_memory_peaks(par, *batch(), warmup=0)
 
 
 def test_replay_frees_by_address_and_keeps_unknown_nodes_apart() -> None:
