@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         for d in r["devices"]:  # type: ignore[attr-defined]
             rows.append(
                 [
-                    f"{kind} x {r['micro_batches']}",
+                    kind if kind == "mirrored" else f"{kind} x {r['micro_batches']}",
                     d["device"],
                     f"{d['state'] / MB:.0f}",
                     f"{d['buffer_peak'] / MB:.0f}",
