@@ -16,6 +16,12 @@ of ``steps + 1`` batches per variant, timed by :mod:`paraml.bench.harness` (wind
 the medians of per-window ratios: the steady-state step and the whole call). A row TensorFlow refuses here (e.g. XLA
 on a device without it) is reported and left out. It prints a table, the ratios, and one JSON line (``JSON {...}``),
 also written to ``--json``.
+
+Then the memory of one training step per device (leave it out with ``--no-memory``): ``mirrored`` over every device
+(``single`` with one GPU) measured by :func:`paraml.bench.memory_trace.device_memory_peaks` (each device's variables
+and the peak of the buffers its ops allocated, replayed from the allocators' events), next to each GPU's own
+allocator's peak over the same step (``tf.config.experimental.get_memory_info("GPU:i")["peak"]``). On CPUs it prints
+the logical devices' figures only: they share one allocator, whose peak is the whole process's.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -36,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=int_at_least(1), default=5, help="interleaved timed windows (default 5)")
     parser.add_argument("--steps", type=int_at_least(1), default=31, help="steps per window; a fit call: steps + 1")
     parser.add_argument("--no-xla", action="store_true", help="leave out the jit_compile=True rows")
+    parser.add_argument("--no-memory", action="store_true", help="leave out the per-device memory of one step")
     parser.add_argument("--json", metavar="PATH", help="also write the JSON record here")
     args = parser.parse_args(argv)
 
@@ -66,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     report = {"ratios": ratios, "fit_call_ratios": call_ratios}
     print(format_ratios(report))
+    memory = None if args.no_memory else device_memory(work, gpus, devices)
     record = {
         "benchmark": "gpu_check",
         "model": args.model,
@@ -77,9 +86,43 @@ def main(argv: list[str] | None = None) -> int:
         "tensorflow": tf.__version__,
         "results": results,
         **report,
+        "memory": memory,
     }
     write_json(record, args.json)
     return 0
+
+
+def device_memory(work: Any, gpus: int, devices: int) -> list[dict[str, Any]]:
+    """Print and return each device's measured peak in one step of a fresh ``mirrored`` (``single`` on one GPU)
+    ``Parallel`` on the workload's first batch, next to its own allocator's peak on GPUs."""
+    from paraml import Parallel
+    from paraml.bench.harness import format_table
+    from paraml.bench.memory_trace import device_memory_peaks
+
+    par = Parallel("mirrored", devices=devices, seed=0) if devices > 1 else Parallel("single", seed=0)
+    par.build(work.model_fn, **work.compile_args())
+    measured = device_memory_peaks(par, work.x[:GLOBAL_BATCH], work.y[:GLOBAL_BATCH])
+    mib = 1 << 20
+    rows, record = [], []
+    for device in measured.devices:
+        own = measured.allocator_peak_bytes.get(device.device) if gpus else None  # logical CPUs: the process's
+        rows.append(
+            [
+                device.device,
+                f"{device.state_bytes / mib:.1f}",
+                f"{device.buffer_peak_bytes / mib:.1f}",
+                f"{device.peak_bytes / mib:.1f}",
+                "-" if own is None else f"{own / mib:.1f}",
+            ]
+        )
+        record.append({"device": device.device, "measured_peak": device.peak_bytes, "allocator_peak": own})
+    print(f"\nmemory of one {par.strategy} step at global batch {GLOBAL_BATCH}, per device (MiB)")
+    header = ["device", "state", "buffer peak", "measured peak", "own allocator's peak"]
+    print(format_table(rows, header))
+    shared = "" if gpus else " (logical CPUs: one allocator for the process)"
+    unattributed, process = measured.unattributed_bytes / mib, measured.process_peak_bytes / mib
+    print(f"unattributed {unattributed:.1f} MiB; process peak {process:.1f} MiB replayed{shared}")
+    return record
 
 
 if __name__ == "__main__":

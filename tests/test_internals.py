@@ -25,11 +25,13 @@ import paraml  # noqa: E402
 from paraml import internals  # noqa: E402
 from paraml.internals import (  # noqa: E402
     ALL_REDUCE_GRADIENTS,
+    ALLOCATOR_STATS,
     DISTRIBUTED_UPDATE_STEP,
     SAVEABLE_METHODS,
     VARIABLE_VALUE_KEY,
     WEIGHT_DECAY,
     all_to_all,
+    allocator_events,
     attention_projections,
     autocast,
     autocast_dtype,
@@ -593,3 +595,46 @@ def test_the_profilers_xspace_has_one_event_per_op_named_node_colon_type(tmp_pat
     assert ops == {"on_first", "on_second"}, changed(
         "the profile's op events are no longer named '<node>:<type>'", "read_xspace"
     )
+
+
+# -- TensorFlow's allocators in a profile -----------------------------------------------------------------------------
+def test_the_profile_records_each_allocation_with_its_node_bytes_address_and_bytes_in_use(tmp_path):
+    @tf.function
+    def buffers(a):
+        with tf.device(DEVICES[1]):
+            big = tf.add(a, 1.0, name="one_mib")  # 1 MiB: the CPU allocator records buffers of 256 KiB or more
+            return tf.reduce_sum(big)
+
+    a = tf.ones((512, 512))
+    buffers(a)
+    tf.profiler.experimental.start(str(tmp_path))
+    buffers(a)
+    tf.profiler.experimental.stop()
+    (path,) = tmp_path.rglob("*.xplane.pb")
+    space = read_xspace(path.read_bytes())
+    found = {
+        plane.stat_metadata[stat.metadata_id].name
+        for plane in space.planes
+        for line in plane.lines
+        for event in line.events
+        if plane.event_metadata[event.metadata_id].name in ("MemoryAllocation", "MemoryDeallocation")
+        for stat in event.stats
+    }
+    missing = sorted(set(ALLOCATOR_STATS) - found)
+    assert not missing, changed(f"the allocator's memory events have no stats {missing}", "ALLOCATOR_STATS")
+    events = allocator_events(space)
+    allocations = {e.op: e for e in events if not e.freed}
+    assert "one_mib" in allocations, changed(
+        f"the allocations no longer name their node in 'tf_op' (found {sorted(allocations)})", "allocator_events"
+    )
+    one_mib = allocations["one_mib"]
+    assert one_mib.nbytes >= 512 * 512 * 4 and one_mib.address and one_mib.allocator, one_mib
+    freed = [e for e in events if e.freed and (e.allocator, e.address) == (one_mib.allocator, one_mib.address)]
+    assert freed and freed[0].nbytes == one_mib.nbytes, changed(
+        "a deallocation no longer names its buffer", "AllocatorEvent"
+    )
+    by_allocator = [e for e in events if e.allocator == one_mib.allocator]
+    for before, after in zip(by_allocator, by_allocator[1:]):  # each event moves the bytes in use by its own bytes
+        assert after.in_use == before.in_use + (-after.nbytes if after.freed else after.nbytes), changed(
+            "'bytes_allocated' is no longer the allocator's bytes in use after the event", "allocator_events"
+        )

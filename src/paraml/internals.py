@@ -15,18 +15,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import tensorflow as tf
 
 __all__ = [
+    "ALLOCATOR_STATS",
     "ALL_REDUCE_GRADIENTS",
     "DISTRIBUTED_UPDATE_STEP",
     "WEIGHT_DECAY",
     "SAVEABLE_METHODS",
     "VARIABLE_VALUE_KEY",
     "all_to_all",
+    "AllocatorEvent",
+    "allocator_events",
     "attention_projections",
     "autocast",
     "autocast_dtype",
@@ -409,3 +412,63 @@ def read_xspace(data: bytes) -> Any:
     space = xplane_pb2.XSpace()
     space.ParseFromString(data)
     return space
+
+
+# -- TensorFlow's allocators in a profile: each allocation and deallocation of a step ---------------------------------
+# An allocator's own peak (``tf.config.experimental.get_memory_info``) says how much, not whose: logical CPUs share one
+# allocator. While the profiler runs, TensorFlow's BFC allocators also record each allocation and deallocation in the
+# profile, as events of the host plane named ``MemoryAllocation`` / ``MemoryDeallocation`` whose stats (TSL's
+# ``MemoryProfile`` annotations, not a public format) name the op that allocated and the allocator's bytes in use after.
+
+#: The stats of an allocator's memory events that :func:`allocator_events` reads: the allocator, its bytes in use
+#: after the event, the buffer's bytes and address, and the op (node name) that allocated it.
+ALLOCATOR_STATS = ("allocator_name", "bytes_allocated", "allocation_bytes", "addr", "tf_op")
+
+
+class AllocatorEvent(NamedTuple):
+    """One allocation (``freed`` False) or deallocation (``freed`` True) of ``nbytes`` at ``address`` by the
+    allocator named ``allocator``, at ``time_ps`` picoseconds since the epoch; ``in_use`` is the allocator's bytes in
+    use after it; ``op`` is the node that allocated (``""`` when the event names none: deallocations often do not)."""
+
+    time_ps: int
+    allocator: str
+    freed: bool
+    nbytes: int
+    address: int
+    op: str
+    in_use: int
+
+
+def allocator_events(space: Any) -> list[AllocatorEvent]:
+    """Every allocator memory event in the profile ``space`` (from :func:`read_xspace`), in time order.
+
+    Reads the events named ``MemoryAllocation`` and ``MemoryDeallocation`` of every plane and their stats named in
+    :data:`ALLOCATOR_STATS` (a string stat is a reference to the plane's ``stat_metadata``). Events at the same
+    picosecond keep the profile's order.
+    """
+    kinds = {"MemoryAllocation": False, "MemoryDeallocation": True}
+    events = []
+    for plane in space.planes:
+        names = {key: meta.name for key, meta in plane.stat_metadata.items()}
+        for line in plane.lines:
+            for event in line.events:
+                freed = kinds.get(plane.event_metadata[event.metadata_id].name)
+                if freed is None:
+                    continue
+                stats: dict[str, Any] = {}
+                for stat in event.stats:
+                    kind = stat.WhichOneof("value")
+                    value = getattr(stat, kind)
+                    stats[names.get(stat.metadata_id, "")] = names.get(value, "") if kind == "ref_value" else value
+                events.append(
+                    AllocatorEvent(
+                        time_ps=line.timestamp_ns * 1000 + event.offset_ps,
+                        allocator=str(stats.get("allocator_name", "")),
+                        freed=freed,
+                        nbytes=int(stats.get("allocation_bytes", 0)),
+                        address=int(stats.get("addr", 0)),
+                        op=str(stats.get("tf_op", "")),
+                        in_use=int(stats.get("bytes_allocated", 0)),
+                    )
+                )
+    return sorted(events, key=lambda e: e.time_ps)
