@@ -127,3 +127,22 @@ def test_replay_frees_by_address_and_keeps_unknown_nodes_apart() -> None:
     assert memory.process_peak_bytes == 16 * mib
     assert memory.unattributed_bytes == 4 * mib  # 2 held before beyond the variables, and GatherV2's 2
     assert replay([], {}, {}).process_peak_bytes == 0
+
+
+def test_one_f_one_b_stage_figures_match_each_devices_measured_peak() -> None:
+    """Issue 32: with 2 stages and 8 micro-batches, each stage's figure within 20% of its device's measured peak
+    (micro-batches of 256 rows x 256 features: each activation a buffer the allocator records)."""
+    rows = 2048
+
+    def deeper() -> keras.Model:
+        layers = [keras.layers.Dense(WIDTH, activation="gelu") for _ in range(8)]
+        return keras.Sequential([keras.Input((WIDTH,)), *layers, keras.layers.Dense(10)])
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(rows, WIDTH)).astype("float32"), rng.integers(0, 10, rows)
+    par = Parallel("model_parallel", devices=2, seed=0, schedule="1f1b", micro_batches=8, batch_size=rows)
+    par.build(deeper, optimizer="adam", loss=logits_loss())
+    memory = device_memory_peaks(par, x, y)
+    assert par.plan is not None
+    for stage, device in zip(par.plan.stages, memory.devices, strict=True):
+        assert 0.8 <= stage.peak_bytes / device.peak_bytes <= 1.2, str(memory)
