@@ -83,7 +83,6 @@ def test_the_devices_account_for_the_process_peak(
     _, memory = single
     (device,) = memory.devices
     assert device.peak_bytes + memory.unattributed_bytes == pytest.approx(memory.process_peak_bytes, rel=0.01)
-    assert memory.unattributed_bytes < device.peak_bytes
 
 
 def test_the_table_names_each_device_and_what_is_unattributed(one_f_one_b: tuple[Parallel, DeviceMemory]) -> None:
