@@ -43,11 +43,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import tensorflow as tf
 
 from paraml.bench.harness import format_table
-from paraml.bench.trace import _NODE_DEVICES, _device_names, _repeated, _StepRecorder
+from paraml.bench.trace import _NODE_DEVICES, _device_names, _StepRecorder, fit_recorded
 from paraml.checks import check_int
 from paraml.internals import AllocatorEvent, allocator_events, read_xspace
 
@@ -148,22 +147,8 @@ def device_memory_peaks(
         tf.errors.AlreadyExistsError: when TensorFlow's profiler is already running.
     """
     warmup = check_int("warmup", warmup)
-    rows = len(np.asarray(tf.nest.flatten(x)[0]))
     recorder = _MemoryRecorder(par, first_traced=warmup)
-    repeat = warmup + 1
-    try:
-        par.fit(
-            _repeated(x, repeat),
-            _repeated(y, repeat),
-            sample_weight=_repeated(sample_weight, repeat),
-            batch_size=rows,
-            epochs=1,
-            shuffle=False,
-            verbose=0,
-            callbacks=[recorder],
-        )
-    finally:
-        recorder.close()  # a step that failed leaves neither the profiler nor the graph collection running
+    fit_recorded(par, x, y, sample_weight, recorder)
     node_devices = _NODE_DEVICES[par]
     names = _device_names(set(node_devices.values()), par.devices)
     owners = {node: names[device] for node, device in node_devices.items() if device}

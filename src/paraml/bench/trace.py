@@ -187,9 +187,16 @@ def trace_steps(
     """
     steps = check_int("steps", steps)
     warmup = check_int("warmup", warmup)
-    rows = len(np.asarray(tf.nest.flatten(x)[0]))
     recorder = _StepRecorder(par, first_traced=warmup, steps=steps)
-    repeat = warmup + steps
+    fit_recorded(par, x, y, sample_weight, recorder)
+    return recorder.traces
+
+
+def fit_recorded(par: Parallel, x: Any, y: Any, sample_weight: Any, recorder: _StepRecorder) -> None:
+    """Train ``par`` on the global batch ``(x, y)`` once per batch ``recorder`` watches or warms up with (its
+    ``traced`` range's end), in one :meth:`paraml.Parallel.fit` call, one epoch, no shuffling."""
+    rows = len(np.asarray(tf.nest.flatten(x)[0]))
+    repeat = recorder.traced.stop
     try:
         par.fit(
             _repeated(x, repeat),
@@ -203,7 +210,6 @@ def trace_steps(
         )
     finally:
         recorder.close()  # a step that failed leaves neither the profiler nor the graph collection running
-    return recorder.traces
 
 
 def _repeated(value: Any, times: int) -> Any:
