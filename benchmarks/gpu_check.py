@@ -18,10 +18,12 @@ on a device without it) is reported and left out. It prints a table, the ratios,
 also written to ``--json``.
 
 Then the memory of one training step per device (leave it out with ``--no-memory``): ``mirrored`` over every device
-(``single`` with one GPU) measured by :func:`paraml.bench.memory_trace.device_memory_peaks` (each device's variables
-and the peak of the buffers its ops allocated, replayed from the allocators' events), next to each GPU's own
-allocator's peak over the same step (``tf.config.experimental.get_memory_info("GPU:i")["peak"]``). On CPUs it prints
-the logical devices' figures only: they share one allocator, whose peak is the whole process's.
+and its ZeRO stages (``shard_optimizer``, ``shard_gradients``, ``shard_parameters``; ``single`` with one GPU), with
+Adam (two slots per parameter for ZeRO to shard), each measured by
+:func:`paraml.bench.memory_trace.device_memory_peaks` (each device's variables and the peak of the buffers its ops
+allocated, replayed from the allocators' events), next to each GPU's own allocator's peak over the same step
+(``tf.config.experimental.get_memory_info("GPU:i")["peak"]``). On CPUs it prints the logical devices' figures only:
+they share one allocator, whose peak is the whole process's.
 """
 
 from __future__ import annotations
@@ -92,36 +94,58 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+#: The data-parallel variants whose memory per device is measured: plain, then ZeRO-1, 2 and 3 (issue 33).
+MEMORY_VARIANTS: dict[str, dict[str, bool]] = {
+    "mirrored": {},
+    "shard_optimizer": {"shard_optimizer": True},
+    "shard_gradients": {"shard_gradients": True},
+    "shard_parameters": {"shard_parameters": True},
+}
+
+
 def device_memory(work: Any, gpus: int, devices: int) -> list[dict[str, Any]]:
-    """Print and return each device's measured peak in one step of a fresh ``mirrored`` (``single`` on one GPU)
-    ``Parallel`` on the workload's first batch, next to its own allocator's peak on GPUs."""
+    """Print and return each device's measured peak in one step on the workload's first batch, for a fresh
+    ``Parallel`` per variant (``mirrored`` and its ZeRO stages; ``single`` on one GPU), next to each GPU's own
+    allocator's peak."""
+    import gc
+
     from paraml import Parallel
     from paraml.bench.harness import format_table
     from paraml.bench.memory_trace import device_memory_peaks
 
-    par = Parallel("mirrored", devices=devices, seed=0) if devices > 1 else Parallel("single", seed=0)
-    par.build(work.model_fn, **work.compile_args())
-    measured = device_memory_peaks(par, work.x[:GLOBAL_BATCH], work.y[:GLOBAL_BATCH])
+    variants = MEMORY_VARIANTS if devices > 1 else {"single": {}}
     mib = 1 << 20
-    rows, record = [], []
-    for device in measured.devices:
-        own = measured.allocator_peak_bytes.get(device.device) if gpus else None  # logical CPUs: the process's
-        rows.append(
-            [
-                device.device,
-                f"{device.state_bytes / mib:.1f}",
-                f"{device.buffer_peak_bytes / mib:.1f}",
-                f"{device.peak_bytes / mib:.1f}",
-                "-" if own is None else f"{own / mib:.1f}",
-            ]
-        )
-        record.append({"device": device.device, "measured_peak": device.peak_bytes, "allocator_peak": own})
-    print(f"\nmemory of one {par.strategy} step at global batch {GLOBAL_BATCH}, per device (MiB)")
-    header = ["device", "state", "buffer peak", "measured peak", "own allocator's peak"]
-    print(format_table(rows, header))
-    shared = "" if gpus else " (logical CPUs: one allocator for the process)"
-    unattributed, process = measured.unattributed_bytes / mib, measured.process_peak_bytes / mib
-    print(f"unattributed {unattributed:.1f} MiB; process peak {process:.1f} MiB replayed{shared}")
+    record = []
+    for name, options in variants.items():
+        if devices > 1:
+            par = Parallel("mirrored", devices=devices, seed=0, **options)
+        else:
+            par = Parallel("single", seed=0)
+        par.build(work.model_fn, **{**work.compile_args(), "optimizer": "adam"})  # slots for ZeRO to shard
+        measured = device_memory_peaks(par, work.x[:GLOBAL_BATCH], work.y[:GLOBAL_BATCH])
+        rows = []
+        for device in measured.devices:
+            own = measured.allocator_peak_bytes.get(device.device) if gpus else None  # logical CPUs: the process's
+            rows.append(
+                [
+                    device.device,
+                    f"{device.state_bytes / mib:.1f}",
+                    f"{device.buffer_peak_bytes / mib:.1f}",
+                    f"{device.peak_bytes / mib:.1f}",
+                    "-" if own is None else f"{own / mib:.1f}",
+                ]
+            )
+            record.append(
+                {"variant": name, "device": device.device, "measured_peak": device.peak_bytes, "allocator_peak": own}
+            )
+        print(f"\nmemory of one {name} step at global batch {GLOBAL_BATCH}, per device (MiB)")
+        header = ["device", "state", "buffer peak", "measured peak", "own allocator's peak"]
+        print(format_table(rows, header))
+        shared = "" if gpus else " (logical CPUs: one allocator for the process)"
+        unattributed, process = measured.unattributed_bytes / mib, measured.process_peak_bytes / mib
+        print(f"unattributed {unattributed:.1f} MiB; process peak {process:.1f} MiB replayed{shared}")
+        del par, measured
+        gc.collect()  # the next variant's peaks start from what is still alive
     return record
 
 
