@@ -27,7 +27,10 @@ The optimizer is the user's Keras optimizer class, subclassed at run time (:func
 created (on its owner, as a plain variable; on another worker, as an empty placeholder that keeps the slots'
 positions), where Keras' TensorFlow optimizer all-reduces the gradients (stage 2 and 3 leave the dense ones to the
 owners), where it hands each variable to the strategy for its update, and (stage 3) where AdamW decays the weights.
-Everything else is Keras' own code: the update rule (Adam, AdamW's weight decay, momentum, Nesterov...), the
+An average of the weights (``use_ema=True``) is a slot like the others: the owner steps it right after the variable's
+update, and writes it over the variable every ``ema_overwrite_frequency`` steps (Keras' own step runs on every
+replica, its overwrite is a ``merge_call`` inside a ``cond``; both do nothing here). Everything else is Keras' own
+code: the update rule (Adam, AdamW's weight decay, momentum, Nesterov...), the
 learning-rate schedule, clipping, a ``LossScaleOptimizer`` around it, sparse gradients. So the weights equal
 unsharded training.
 
@@ -64,6 +67,18 @@ from paraml.planning.plan import zero_option
 
 if TYPE_CHECKING:  # pragma: no cover
     import keras
+
+# internals: move to paraml.internals
+#: The method of Keras' optimizer that updates the average of the weights (``use_ema=True``) after the update step,
+#: in replica context, on every replica: ``(self, trainable_variables)``. A sharded optimizer's owners update the
+#: averages in the update step instead (an average lives once, on its variable's owner).
+EMA_UPDATE = "_update_model_variables_moving_average"
+# internals: move to paraml.internals
+#: The method of Keras' optimizer that overwrites the variables with their averages (every
+#: ``ema_overwrite_frequency`` steps) inside a ``cond`` in replica context: ``(self, trainable_variables)``. Keras'
+#: TensorFlow version calls ``strategy.extended.update`` there, a ``merge_call`` a ``cond`` cannot hold; a sharded
+#: optimizer's owners overwrite in the update step instead.
+EMA_OVERWRITE = "_overwrite_model_variables_with_average_value"
 
 __all__ = [
     "OwnedSums",
@@ -310,6 +325,48 @@ def _reduce_to_owners(
     return reduced
 
 
+def _publish(
+    distribution: Any, devices: Sequence[str], first: int, replicas: int, num_workers: int, updated: list[Any]
+) -> None:
+    """Each of ``updated`` (a copied variable and the owner replica, global, whose copy holds its new value) made equal
+    on every replica: on one machine an assignment of the owner's copy (a broadcast), across workers one all-gather of
+    what each replica owns per dtype."""
+    import tensorflow as tf
+
+    if num_workers == 1:
+        for var, owner in updated:
+            with tf.device(devices[owner]):
+                value = tf.identity(var.values[owner])
+            var.assign(value)
+        return
+    for dtype in sorted({var.dtype for var, _ in updated}, key=str):
+        parts = [
+            [(i, tuple(var.shape)) for i, (var, o) in enumerate(updated) if o == r and var.dtype == dtype]
+            for r in range(replicas)
+        ]
+        whole = _all_gather(distribution, parts, lambda r, i: updated[i][0].values[r - first], dtype)
+        for i, value in whole.items():
+            updated[i][0].assign(value)
+
+
+def _average_and_overwrite(optimizer: Any, average: Any, variable: Any) -> None:
+    """Keras' step of the average of the weights (``use_ema=True``) for one variable, where both live: ``average``
+    moves towards the variable's new value, and every ``ema_overwrite_frequency`` steps the variable takes the
+    average (the same arithmetic as Keras' ``_update_model_variables_moving_average`` and
+    ``_overwrite_model_variables_with_average_value``, so the weights equal unsharded training)."""
+    import tensorflow as tf
+
+    momentum = tf.cast(tf.not_equal(optimizer.iterations, 0), variable.dtype) * optimizer.ema_momentum
+    average.assign(momentum * average + (1 - momentum) * variable)
+    frequency = optimizer.ema_overwrite_frequency
+    if frequency:
+
+        def overwrite() -> None:
+            variable.assign(average)
+
+        tf.cond((optimizer.iterations + 1) % frequency == 0, overwrite, lambda: None)
+
+
 def sharded_optimizer(
     optimizer: keras.optimizers.Optimizer,
     variables: Sequence[Any],
@@ -323,14 +380,16 @@ def sharded_optimizer(
     """A copy of ``optimizer`` (created in the strategy's scope, like the original) whose slots for ``variables``
     live on their owners among the replicas, and whose updates run there; each slot it makes is recorded in
     ``slots``. ``stage`` 2 and 3 reduce each dense gradient to its owner only; under 3, ``variables`` that live on
-    one device (:func:`owned_variables`) are updated there, in place.
+    one device (:func:`owned_variables`) are updated there, in place. An average of the weights (``use_ema=True``) is
+    a slot like the others: the owner updates it after the variable, and overwrites the variable with it every
+    ``ema_overwrite_frequency`` steps, before the new value reaches the other replicas.
 
     ``devices`` are this worker's replicas (the strategy's, in its order); each of the ``num_workers`` workers has as
     many, and this one is ``worker_index``.
 
     Raises:
         ValueError: for an optimizer Keras' TensorFlow backend does not step through its strategy (it has no
-            per-variable update to place), or an average of the weights (``use_ema``) of variables on one device.
+            per-variable update to place).
     """
     import tensorflow as tf
 
@@ -345,19 +404,20 @@ def sharded_optimizer(
     replicas = num_workers * local
     owner_of = _variable_owners(variables, devices, first, replicas)
     in_place = {id(v.value) for v in variables if not _is_copied(v.value)}  # ZeRO-3: one copy, on its owner
-    if in_place and getattr(optimizer, "use_ema", False):
-        raise ValueError(
-            "shard_parameters=True cannot keep an average of the weights (use_ema=True): Keras updates it on every "
-            "replica, and each variable lives on one; use shard_gradients=True, or use_ema=False"
-        )
+    averages: dict[int, Any] = {}  # id(variable) -> its average of the weights (use_ema), as the optimizer made it
 
     def add_variable_from_reference(self: Any, reference_variable: Any, *args: Any, **kwargs: Any) -> Any:
         key = id(getattr(reference_variable, "value", reference_variable))
         owner, name = owner_of.get(key), kwargs.get("name", args[0] if args else None)
-        # EMA's averages (`use_ema=True`, named "average") are updated by every replica outside the per-variable
-        # update: one copy on its owner would be updated once per replica. They stay as Keras makes them.
-        if owner is None or name == "average":
-            return base.add_variable_from_reference(self, reference_variable, *args, **kwargs)
+        if owner is None:
+            slot = base.add_variable_from_reference(self, reference_variable, *args, **kwargs)
+        else:
+            slot = owned_slot(self, reference_variable, key, owner, name, args, kwargs)
+        if name == "average":
+            averages[key] = slot
+        return slot
+
+    def owned_slot(self: Any, reference_variable: Any, key: int, owner: int, name: Any, args: Any, kwargs: Any) -> Any:
         here = first <= owner < first + local
         with tf.variable_creator_scope(_plain_variable_on(devices[owner - first if here else 0])):
             if here and key in in_place:
@@ -395,12 +455,16 @@ def sharded_optimizer(
         for grad, var in grads_and_vars:
             if id(var) in owner_of:
                 owned.append((grad, var, owner_of[id(var)]))
-            else:
-                distributed_update_step(base)(self, distribution, [(grad, var)], learning_rate)
+                continue
+            distributed_update_step(base)(self, distribution, [(grad, var)], learning_rate)
+            if id(var) in averages:  # Keras' average, a copy per replica, stepped on each
+                distribution.extended.update(
+                    var, lambda v, a: _average_and_overwrite(self, a, v), args=(averages[id(var)],), group=False
+                )
         dense = [i for i, (g, v, _) in enumerate(owned) if g is not None and reduced_later(_one(distribution, g), v)]
         summed = _reduce_to_owners(distribution, devices, first, replicas, [owned[i] for i in dense])
         reduced = {dense[j]: value for j, value in summed.items()}
-        updated = []  # (mirrored variable, owner)
+        updated = []  # (copied variable, owner)
         for i, (grad, var, owner) in enumerate(owned):
             if first <= owner < first + local:
                 here = owner - first
@@ -411,22 +475,34 @@ def sharded_optimizer(
                         rate = tf.cast(self.learning_rate, var.dtype) * tf.cast(self.weight_decay, var.dtype)
                         var.assign_sub(var * rate)  # as Keras' _apply_weight_decay, before the update
                     self.update_step(gradient, target, learning_rate)
+                    if id(var) in averages:
+                        _average_and_overwrite(self, averages[id(var)], target)
             if _is_copied(var):
                 updated.append((var, owner))
-        if num_workers == 1:
-            for var, owner in updated:  # every replica gets the owner's result
-                with tf.device(devices[owner]):
-                    value = tf.identity(var.values[owner])
-                var.assign(value)
+        _publish(distribution, devices, first, replicas, num_workers, updated)
+
+    def finalize_variable_values(self: Any, var_list: Any) -> None:
+        # Keras' end of training with use_ema: each variable takes its average, on its owner, then on every replica
+        if not self.use_ema:
             return
-        for dtype in sorted({var.dtype for var, _ in updated}, key=str):
-            parts = [
-                [(i, tuple(var.shape)) for i, (var, o) in enumerate(updated) if o == r and var.dtype == dtype]
-                for r in range(replicas)
-            ]
-            whole = _all_gather(distribution, parts, lambda r, i: updated[i][0].values[r - first], dtype)
-            for i, value in whole.items():
-                updated[i][0].assign(value)
+        distribution = optimizer_strategy(self)
+        updated = []
+        for var in (getattr(v, "value", v) for v in var_list):
+            average, owner = averages.get(id(var)), owner_of.get(id(var))
+            if average is None:
+                continue
+            if owner is None:
+                distribution.extended.update(var, lambda v, a: v.assign(a), args=(average,))
+                continue
+            if first <= owner < first + local:
+                with tf.device(devices[owner - first]):
+                    (var.values[owner - first] if _is_copied(var) else var).assign(average)
+            if _is_copied(var):
+                updated.append((var, owner))
+        _publish(distribution, devices, first, replicas, num_workers, updated)
+
+    def stepped_in_the_update(self: Any, trainable_variables: Any) -> None:
+        del self, trainable_variables  # the averages are stepped, and overwrite, in the update step
 
     sharded = type(
         base.__name__,
@@ -436,6 +512,9 @@ def sharded_optimizer(
             ALL_REDUCE_GRADIENTS: _all_reduce_sum_gradients,
             WEIGHT_DECAY[0]: _apply_weight_decay,
             DISTRIBUTED_UPDATE_STEP: _distributed_tf_update_step,
+            EMA_UPDATE: stepped_in_the_update,
+            EMA_OVERWRITE: stepped_in_the_update,
+            "finalize_variable_values": finalize_variable_values,
             "__module__": base.__module__,  # saved models name the user's class
             "__doc__": base.__doc__,
         },
