@@ -311,3 +311,44 @@ def test_a_models_own_train_step_with_a_layer_loss_trains_sharded_as_mirrored():
     np.testing.assert_allclose(found[1][0], found[0][0], rtol=1e-6)
     for got, want in zip(found[1][1], found[0][1], strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_shard_parameters_across_two_workers_trains_as_mirrored_and_restores_under_single(tmp_path):
+    """``paraml launch -n 2`` with ``shard_parameters=True``: each worker holds about half the weights (the other
+    half are empty placeholders), each unit gathers its weights from their owners where it runs. From the same start
+    (a sharded checkpoint written before training), the weights, Adam's state and the losses equal unsharded
+    ``mirrored`` on 2 devices (rtol 1e-5, 2 epochs), and the checkpoint written after training restores under
+    ``single`` to the workers' predictions."""
+    script = Path(__file__).parent / "scripts" / "zero3_worker.py"
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    done = run_process([sys.executable, "-m", "paraml", "launch", "-n", "2", str(script), str(tmp_path)], 300, env=env)
+    assert done.code == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    w0, w1 = (np.load(tmp_path / f"worker{i}.npz") for i in range(2))
+    assert str(w0["paraml"]) == zero.__file__.replace("parallelism/zero.py", "__init__.py")  # this tree's paraml
+    sys.path.insert(0, str(script.parent))
+    try:
+        from zero3_worker import data as worker_data
+        from zero3_worker import mlp as worker_mlp
+    finally:
+        sys.path.pop(0)
+    x, y = worker_data()
+    plain = Parallel("mirrored", devices=2, seed=2)
+    plain.build(worker_mlp, optimizer=keras.optimizers.Adam(0.01), loss=LOSS)
+    plain.restore(tmp_path / "initial")
+    history = plain.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    np.testing.assert_allclose(w0["loss"], history.history["loss"], rtol=1e-5)
+    single = Parallel("single", seed=2)
+    single.build(worker_mlp, optimizer=keras.optimizers.Adam(0.01), loss=LOSS)
+    single.restore(tmp_path / "ckpt")
+    for got, want in zip(single.model.get_weights(), plain.model.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(single.model.optimizer.variables, plain.model.optimizer.variables, strict=True):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6, err_msg=got.path)
+    predictions = single.predict(x)
+    for worker in (w0, w1):
+        np.testing.assert_allclose(worker["predictions"], predictions, rtol=1e-5, atol=1e-6)
+    parameters = sum(int(np.prod(v.shape)) * 4 for v in single.model.trainable_variables)
+    held = [int(w0["parameter_bytes"].sum()), int(w1["parameter_bytes"].sum())]
+    largest = max(int(np.prod(v.shape)) * 4 for v in single.model.trainable_variables)
+    assert sum(held) == parameters and max(held) <= parameters / 2 + largest, (held, parameters)
