@@ -315,7 +315,13 @@ def _gather_across(strategy: Any, weights: Sequence[tuple[Any, _Slot]], dtype: A
 
 def _gather_from_owners(context: Any, weights: Sequence[tuple[Any, _Slot]]) -> list[tuple[Any, Any]]:
     """``(variable, its whole value)`` for ``weights`` (Keras variables of one dtype, and where each lives), gathered
-    from their owners by one all-gather in replica ``context``."""
+    from their owners by one collective in replica ``context``.
+
+    An all-gather of each replica's share, padded to the longest, when the shares are about even (it sends half what
+    an all-reduce does); else (one replica owns most of the unit: a kernel here, its bias there) an all-reduce of
+    the unit with zeros where another replica owns it, which holds the unit once instead of replicas x its largest
+    share.
+    """
     import tensorflow as tf
 
     replica = current_replica()
@@ -323,14 +329,23 @@ def _gather_from_owners(context: Any, weights: Sequence[tuple[Any, _Slot]]) -> l
     sizes = [int(tf.TensorShape(where.shape).num_elements()) for _, where in weights]
     owned = [sum(n for n, (_, where) in zip(sizes, weights) if where.owner == r) for r in range(replicas)]
     longest = max(owned)
+    by_all_gather = replicas * longest <= 1.25 * sum(sizes)
     pieces, start, at = [], [0] * replicas, []
     for n, (variable, where) in zip(sizes, weights):
+        mine = n if where.owner == replica else 0
         with tf.device(variable.value.device):  # a placeholder or another replica's variable: nothing is sent
-            pieces.append(tf.reshape(variable.value, [-1])[: n if where.owner == replica else 0])
-        at.append(where.owner * longest + start[where.owner])
-        start[where.owner] += n
-    mine = tf.concat(pieces, 0)
-    gathered = context.all_gather(tf.pad(mine, [[0, longest - owned[replica]]]), axis=0)
+            piece = tf.reshape(variable.value, [-1])[:mine]
+        pieces.append(piece if by_all_gather else tf.pad(piece, [[0, n - mine]]))
+        if by_all_gather:
+            at.append(where.owner * longest + start[where.owner])
+            start[where.owner] += n
+        else:
+            at.append(sum(sizes[: len(at)]))
+    joined = tf.concat(pieces, 0)
+    if by_all_gather:
+        gathered = context.all_gather(tf.pad(joined, [[0, longest - owned[replica]]]), axis=0)
+    else:
+        gathered = context.all_reduce(tf.distribute.ReduceOp.SUM, joined)
     return [
         (variable, tf.reshape(gathered[a : a + n], where.shape)) for (variable, where), a, n in zip(weights, at, sizes)
     ]
