@@ -14,8 +14,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 def mlp():  # noqa: ANN201  (keras is imported after the strategy)
     import keras
 
-    # LayerNormalization's gamma and beta, made first, are even shares of 2 owners (the unit is gathered by
-    # all-gather); each Dense's kernel and bias have different owners (gathered by all-reduce)
+    # each Dense's kernel and bias have different owners; so have LayerNormalization's gamma and beta
     dense = [keras.layers.Dense(48, activation="gelu") for _ in range(4)]
     return keras.Sequential([keras.Input((12,)), keras.layers.LayerNormalization(), *dense, keras.layers.Dense(3)])
 
