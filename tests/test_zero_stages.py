@@ -317,9 +317,9 @@ def test_a_models_own_train_step_with_a_layer_loss_trains_sharded_as_mirrored():
 def test_shard_parameters_across_two_workers_trains_as_mirrored_and_restores_under_single(tmp_path):
     """``paraml launch -n 2`` with ``shard_parameters=True``: each worker holds about half the weights (the other
     half are empty placeholders), each unit gathers its weights from their owners where it runs. From the same start
-    (a sharded checkpoint written before training), the weights, Adam's state and the losses equal unsharded
-    ``mirrored`` on 2 devices (rtol 1e-5, 2 epochs), and the checkpoint written after training restores under
-    ``single`` to the workers' predictions."""
+    (a sharded checkpoint written before training), the weights, Adam's state (with an average of the weights and
+    gradient accumulation: both on the owners) and the losses equal unsharded ``mirrored`` on 2 devices (rtol 1e-5,
+    2 epochs), and the checkpoint written after training restores under ``single`` to the workers' predictions."""
     script = Path(__file__).parent / "scripts" / "zero3_worker.py"
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     done = run_process([sys.executable, "-m", "paraml", "launch", "-n", "2", str(script), str(tmp_path)], 300, env=env)
@@ -328,18 +328,19 @@ def test_shard_parameters_across_two_workers_trains_as_mirrored_and_restores_und
     assert str(w0["paraml"]) == zero.__file__.replace("parallelism/zero.py", "__init__.py")  # this tree's paraml
     sys.path.insert(0, str(script.parent))
     try:
+        from zero3_worker import adam as worker_adam
         from zero3_worker import data as worker_data
         from zero3_worker import mlp as worker_mlp
     finally:
         sys.path.pop(0)
     x, y = worker_data()
     plain = Parallel("mirrored", devices=2, seed=2)
-    plain.build(worker_mlp, optimizer=keras.optimizers.Adam(0.01), loss=LOSS)
+    plain.build(worker_mlp, optimizer=worker_adam(), loss=LOSS)
     plain.restore(tmp_path / "initial")
     history = plain.fit(x, y, batch_size=32, epochs=2, verbose=0)
     np.testing.assert_allclose(w0["loss"], history.history["loss"], rtol=1e-5)
     single = Parallel("single", seed=2)
-    single.build(worker_mlp, optimizer=keras.optimizers.Adam(0.01), loss=LOSS)
+    single.build(worker_mlp, optimizer=worker_adam(), loss=LOSS)
     single.restore(tmp_path / "ckpt")
     for got, want in zip(single.model.get_weights(), plain.model.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -19,6 +19,14 @@ def mlp():  # noqa: ANN201  (keras is imported after the strategy)
     return keras.Sequential([keras.Input((12,)), keras.layers.LayerNormalization(), *dense, keras.layers.Dense(3)])
 
 
+def adam():  # noqa: ANN201
+    """Adam with an average of the weights (each average on its variable's owner) and gradient accumulation (each
+    running sum there too)."""
+    import keras
+
+    return keras.optimizers.Adam(0.01, use_ema=True, gradient_accumulation_steps=2)
+
+
 def data():  # noqa: ANN201
     import numpy as np
 
@@ -36,7 +44,7 @@ if __name__ == "__main__":
 
     x, y = data()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    par.build(mlp, optimizer=keras.optimizers.Adam(0.01), loss=loss)
+    par.build(mlp, optimizer=adam(), loss=loss)
     par.save(os.path.join(sys.argv[1], "initial"))
     history = par.fit(x, y, batch_size=32, epochs=2, verbose=0)
     par.save(os.path.join(sys.argv[1], "ckpt"))
