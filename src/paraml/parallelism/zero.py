@@ -285,13 +285,10 @@ class GatheredWeights:
                     "the model through par.fit, par.evaluate or par.predict, or on every worker together inside "
                     "par.backend.strategy.scope(), where the workers gather them"
                 )
-            mapping = []
-            for dtype in sorted({v.value.dtype for v, _ in weights}, key=str):
-                of_dtype = [(v, where) for v, where in weights if v.value.dtype == dtype]
-                if tf.distribute.in_cross_replica_context():  # in the scope, outside a step: a collective as well
-                    mapping += _gather_across(tf.distribute.get_strategy(), of_dtype, dtype)
-                else:
-                    mapping += _gather_from_owners(tf.distribute.get_replica_context(), of_dtype)
+            if tf.distribute.in_cross_replica_context():  # in the scope, outside a step: a collective as well
+                mapping = _gather_across(tf.distribute.get_strategy(), weights)
+            else:
+                mapping = _gather_from_owners(tf.distribute.get_replica_context(), weights)
             with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
                 outputs = original(*args, **kwargs)
             for variable in state:  # what the unit assigned in the scope
@@ -305,17 +302,22 @@ class GatheredWeights:
         return call
 
 
-def _gather_across(strategy: Any, weights: Sequence[tuple[Any, _Slot]], dtype: Any) -> list[tuple[Any, Any]]:
-    """``(variable, its whole value)`` for ``weights`` (Keras variables of ``dtype``, and where each lives), gathered
-    from their owners in cross-replica context (every worker calls it together)."""
+def _gather_across(strategy: Any, weights: Sequence[tuple[Any, _Slot]]) -> list[tuple[Any, Any]]:
+    """``(variable, its whole value)`` for ``weights`` (Keras variables, and where each lives), gathered from their
+    owners in cross-replica context (every worker calls it together): one :func:`_all_gather` per dtype."""
     replicas = int(strategy.num_replicas_in_sync)
-    parts = [[(i, where.shape) for i, (_, where) in enumerate(weights) if where.owner == r] for r in range(replicas)]
-    whole = _all_gather(strategy, parts, lambda r, i: weights[i][0].value, dtype)
+    whole: dict[int, Any] = {}
+    for dtype in sorted({where.dtype for _, where in weights}):
+        parts = [
+            [(i, where.shape) for i, (_, where) in enumerate(weights) if where.owner == r and where.dtype == dtype]
+            for r in range(replicas)
+        ]
+        whole.update(_all_gather(strategy, parts, lambda r, i: weights[i][0].value, dtype))
     return [(variable, whole[i]) for i, (variable, _) in enumerate(weights)]
 
 
 def _gather_from_owners(context: Any, weights: Sequence[tuple[Any, _Slot]]) -> list[tuple[Any, Any]]:
-    """``(variable, its whole value)`` for ``weights`` (Keras variables of one dtype, and where each lives), each
+    """``(variable, its whole value)`` for ``weights`` (Keras variables, and where each lives), each
     summed over the replicas in ``context`` from its owner's value and the others' zeros (an all-reduce per variable:
     no joined buffer, whose slices' gradients would each be as large as the whole)."""
     import tensorflow as tf
