@@ -353,3 +353,34 @@ def test_shard_parameters_across_two_workers_trains_as_mirrored_and_restores_und
     held = [int(w0["parameter_bytes"].sum()), int(w1["parameter_bytes"].sum())]
     largest = max(int(np.prod(v.shape)) * 4 for v in single.model.trainable_variables)
     assert sum(held) == parameters and max(held) <= parameters / 2 + largest, (held, parameters)
+
+
+def test_across_workers_each_variable_is_made_on_its_owner_and_what_cannot_be_gathered_is_refused():
+    """``owned_variables`` for worker 0 of 2 (2 replicas here): the variables replicas 2 and 3 own are zero-size
+    placeholders, recorded with their whole shapes; clipping, a weight regularizer and weights outside any unit are
+    refused by name (in one process, on the strategy of this worker's replicas)."""
+    from paraml.backends.distribute import mirrored_strategy
+    from paraml.planning.observe import model_units
+
+    devices = ["/device:CPU:0", "/device:CPU:1"]
+    strategy = mirrored_strategy(devices)
+    placed = zero.ShardedSlots()
+    with strategy.scope(), zero.owned_variables(devices, placed, num_workers=2, worker_index=0):
+        model = mlp()
+        regularized = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, kernel_regularizer="l2")])
+    where = [placed.where(v.value) for v in model.trainable_variables]
+    assert {w.owner for w in where} == {0, 1, 2, 3}
+    for v, w in zip(model.trainable_variables, where, strict=True):
+        assert w.shape == tuple(v.shape) and w.here == (w.owner < 2)
+        assert tuple(v.value.shape) == (w.shape if w.here else (0,))
+    clipping = r"cannot clip the gradients \(Adam with \{'clipnorm': 1.0\}"
+    with strategy.scope(), pytest.raises(ValueError, match=clipping):
+        zero.sharded_optimizer(
+            keras.optimizers.Adam(clipnorm=1.0), model.trainable_variables, devices, zero.ShardedSlots(),
+            stage=3, num_workers=2, placed=placed,
+        )  # fmt: skip
+    kernel = r"'sequential[_\d]*/dense[_\d]*/kernel'"
+    with pytest.raises(ValueError, match=rf"cannot train \[{kernel}\]: a weight's regularizer"):
+        zero.GatheredWeights(placed).attach(regularized, model_units(regularized))
+    with pytest.raises(ValueError, match=rf"\[{kernel}, .* belong to no unit"):
+        zero.GatheredWeights(placed).attach(model, model_units(model)[1:])
