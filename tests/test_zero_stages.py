@@ -246,18 +246,17 @@ def test_sharded_training_equals_plain_keras_fit(option):
         np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("option", ["shard_optimizer", "shard_parameters"])  # a copied variable, one on its owner
-def test_an_average_of_the_weights_lives_on_the_owners_and_trains_as_keras(option):
-    """Adam with ``use_ema=True`` and ``ema_overwrite_frequency=2``: each average is one copy, on its variable's
-    owner, stepped and written over the variable there. Against plain Keras ``model.fit`` (unsharded ``mirrored``
-    cannot overwrite: Keras' overwrite is a ``merge_call`` inside a ``cond``), the optimizer's variables match after 2
-    epochs, and after ``finalize_variable_values`` (Keras' ``fit`` ends with it) the weights do too."""
+def test_an_average_of_the_weights_lives_on_the_owners_and_trains_as_keras():
+    """ZeRO-3 with Adam's ``use_ema=True`` and ``ema_overwrite_frequency=2``: each average is one copy, on its
+    variable's owner, stepped and written over the variable there. Against plain Keras ``model.fit`` (unsharded
+    ``mirrored`` cannot overwrite: Keras' overwrite is a ``merge_call`` inside a ``cond``), the optimizer's variables
+    match after 2 epochs, and after ``finalize_variable_values`` (Keras' ``fit`` ends with it) the weights do too."""
 
     def adam() -> keras.optimizers.Optimizer:
         return keras.optimizers.Adam(use_ema=True, ema_overwrite_frequency=2)
 
     x, y = data(tokens=False)
-    sharded = Parallel("mirrored", devices=4, seed=2, **{option: True})
+    sharded = Parallel("mirrored", devices=4, seed=2, shard_parameters=True)
     sharded.build(mlp, optimizer=adam(), loss=LOSS)
     keras_model = mlp()
     keras_model.set_weights(sharded.model.get_weights())
@@ -275,6 +274,20 @@ def test_an_average_of_the_weights_lives_on_the_owners_and_trains_as_keras(optio
     assert len(averages) == len(sharded.model.trainable_variables)
     assert all(not hasattr(v, "values") for v in averages)  # one copy each, not mirrored
     assert len({v.device for v in averages}) == 4
+
+
+def test_keras_swap_ema_weights_swaps_the_averages_under_shard_gradients():
+    """ZeRO-1 and 2 keep Keras' averages a copy per replica, so Keras' ``SwapEMAWeights`` (which swaps them through
+    the strategy) validates on the averages as under unsharded ``mirrored``."""
+    x, y = data(tokens=False)
+    found = []
+    for options in ({}, {"shard_gradients": True}):
+        par = Parallel("mirrored", devices=2, seed=2, **options)
+        par.build(mlp, optimizer=keras.optimizers.Adam(use_ema=True), loss=LOSS)
+        swap = keras.callbacks.SwapEMAWeights(swap_on_epoch=True)
+        history = par.fit(x, y, batch_size=32, epochs=2, verbose=0, validation_data=(x, y), callbacks=[swap])
+        found.append(history.history["val_loss"])
+    np.testing.assert_allclose(found[1], found[0], rtol=1e-5)
 
 
 def test_a_models_own_train_step_with_a_layer_loss_trains_sharded_as_mirrored():

@@ -32,10 +32,11 @@ The optimizer is the user's Keras optimizer class, subclassed at run time (:func
 created (on its owner, as a plain variable; on another worker, as an empty placeholder that keeps the slots'
 positions), where Keras' TensorFlow optimizer all-reduces the gradients (stage 2 and 3 leave the dense ones to the
 owners), where it hands each variable to the strategy for its update, and (stage 3) where AdamW decays the weights.
-An average of the weights (``use_ema=True``) is a slot like the others: the owner steps it right after the variable's
-update, and writes it over the variable every ``ema_overwrite_frequency`` steps (Keras' own step runs on every
-replica, its overwrite is a ``merge_call`` inside a ``cond``; both do nothing here). Everything else is Keras' own
-code: the update rule (Adam, AdamW's weight decay, momentum, Nesterov...), the
+Under stage 3 an average of the weights (``use_ema=True``) is a slot like the others: the owner steps it right after
+the variable's update, and writes it over the variable every ``ema_overwrite_frequency`` steps (Keras' own step runs
+on every replica, its overwrite is a ``merge_call`` inside a ``cond``; both do nothing then). Under stages 1 and 2
+the averages stay a copy per replica, as Keras makes and steps them. Everything else is Keras' own code: the update
+rule (Adam, AdamW's weight decay, momentum, Nesterov...), the
 learning-rate schedule, clipping, a ``LossScaleOptimizer`` around it, sparse gradients. So the weights equal
 unsharded training.
 
@@ -528,9 +529,9 @@ def sharded_optimizer(
     """A copy of ``optimizer`` (created in the strategy's scope, like the original) whose slots for ``variables``
     live on their owners among the replicas, and whose updates run there; each slot it makes is recorded in
     ``slots``. ``stage`` 2 and 3 reduce each dense gradient to its owner only; under 3, ``variables`` that live on
-    one device (:func:`owned_variables`) are updated there, in place. An average of the weights (``use_ema=True``) is
-    a slot like the others: the owner updates it after the variable, and overwrites the variable with it every
-    ``ema_overwrite_frequency`` steps, before the new value reaches the other replicas.
+    one device (:func:`owned_variables`) are updated there, in place, and the average of the weights of such a
+    variable (``use_ema=True``) is a slot like the others: the owner steps it after the variable, and overwrites the
+    variable with it every ``ema_overwrite_frequency`` steps.
 
     ``devices`` are this worker's replicas (the strategy's, in its order); each of the ``num_workers`` workers has as
     many, and this one is ``worker_index``. ``placed``: where :func:`owned_variables` put the ZeRO-3 variables (across
@@ -563,15 +564,16 @@ def sharded_optimizer(
             "the reduction, which a gathered weight's gradient has had in the backward pass; use shard_gradients=True "
             "or no clipping"
         )
-    averages: dict[int, Any] = {}  # id(variable) -> its average of the weights (use_ema), as the optimizer made it
+    averages: dict[int, Any] = {}  # id(variable on one device) -> its average of the weights (use_ema), on its owner
 
     def add_variable_from_reference(self: Any, reference_variable: Any, *args: Any, **kwargs: Any) -> Any:
         key = id(getattr(reference_variable, "value", reference_variable))
         owner, name = owner_of.get(key), kwargs.get("name", args[0] if args else None)
-        if owner is None:
-            slot = base.add_variable_from_reference(self, reference_variable, *args, **kwargs)
-        else:
-            slot = owned_slot(self, reference_variable, key, owner, name, args, kwargs)
+        # The average of the weights (use_ema) of a copied variable is a copy per replica, as Keras makes it: Keras
+        # steps it on every replica, and Keras' SwapEMAWeights swaps it through the strategy, copy by copy.
+        if owner is None or (name == "average" and key not in in_place):
+            return base.add_variable_from_reference(self, reference_variable, *args, **kwargs)
+        slot = owned_slot(self, reference_variable, key, owner, name, args, kwargs)
         if name == "average":
             averages[key] = slot
         return slot
@@ -616,10 +618,6 @@ def sharded_optimizer(
                 owned.append((grad, var, owner_of[id(var)]))
                 continue
             distributed_update_step(base)(self, distribution, [(grad, var)], learning_rate)
-            if id(var) in averages:  # Keras' average, a copy per replica, stepped on each
-                distribution.extended.update(
-                    var, lambda v, a: _average_and_overwrite(self, a, v), args=(averages[id(var)],), group=False
-                )
         dense = [
             i
             for i, (g, v, _) in enumerate(owned)
@@ -639,49 +637,41 @@ def sharded_optimizer(
                         var.assign_sub(var * rate)  # as Keras' _apply_weight_decay, before the update
                     self.update_step(gradient, target, learning_rate)
                     if id(var) in averages:
-                        _average_and_overwrite(self, averages[id(var)], target)
+                        _average_and_overwrite(self, averages[id(var)], var)
             if _is_copied(var):
                 updated.append((var, owner))
         _publish(distribution, devices, first, replicas, num_workers, updated)
 
     def finalize_variable_values(self: Any, var_list: Any) -> None:
-        # Keras' end of training with use_ema: each variable takes its average, on its owner, then on every replica
+        # Keras' end of training with use_ema: each variable on one device takes its average, on its owner
         if not self.use_ema:
             return
-        distribution = optimizer_strategy(self)
-        updated = []
         for var in (getattr(v, "value", v) for v in var_list):
-            average, owner = averages.get(id(var)), owner_of.get(id(var))
-            if average is None:
-                continue
-            if owner is None:
-                distribution.extended.update(var, lambda v, a: v.assign(a), args=(average,))
-                continue
-            if first <= owner < first + local:
+            owner = owner_of.get(id(var))
+            if id(var) in averages and owner is not None and first <= owner < first + local:
                 with tf.device(devices[owner - first]):
-                    (var.values[owner - first] if _is_copied(var) else var).assign(average)
-            if _is_copied(var):
-                updated.append((var, owner))
-        _publish(distribution, devices, first, replicas, num_workers, updated)
+                    var.assign(averages[id(var)])
 
     def stepped_in_the_update(self: Any, trainable_variables: Any) -> None:
-        del self, trainable_variables  # the averages are stepped, and overwrite, in the update step
+        del self, trainable_variables  # the owners step the averages, and overwrite, in the update step
 
-    sharded = type(
-        base.__name__,
-        (base,),
-        {
-            "add_variable_from_reference": add_variable_from_reference,
-            ALL_REDUCE_GRADIENTS: _all_reduce_sum_gradients,
-            WEIGHT_DECAY[0]: _apply_weight_decay,
-            DISTRIBUTED_UPDATE_STEP: _distributed_tf_update_step,
-            EMA_UPDATE: stepped_in_the_update,
-            EMA_OVERWRITE: stepped_in_the_update,
-            "finalize_variable_values": finalize_variable_values,
-            "__module__": base.__module__,  # saved models name the user's class
-            "__doc__": base.__doc__,
-        },
-    )
+    methods: dict[str, Any] = {
+        "add_variable_from_reference": add_variable_from_reference,
+        ALL_REDUCE_GRADIENTS: _all_reduce_sum_gradients,
+        WEIGHT_DECAY[0]: _apply_weight_decay,
+        DISTRIBUTED_UPDATE_STEP: _distributed_tf_update_step,
+        "__module__": base.__module__,  # saved models name the user's class
+        "__doc__": base.__doc__,
+    }
+    if in_place:  # ZeRO-3: every trained variable on one device, its average on its owner
+        methods.update(
+            {
+                EMA_UPDATE: stepped_in_the_update,
+                EMA_OVERWRITE: stepped_in_the_update,
+                "finalize_variable_values": finalize_variable_values,
+            }
+        )
+    sharded = type(base.__name__, (base,), methods)
     return sharded.from_config(optimizer.get_config())
 
 
