@@ -18,10 +18,11 @@ when the machine has 4, else logical CPUs). Each variant:
   the gradients by all-to-all ((N-1)/N): 1.5 times an all-reduce, as DeepSpeed states for its ZeRO-3.
 
 ``--workers 2``: ``paraml launch -n 2`` of this file once per variant (unsharded, ``shard_optimizer``,
-``shard_gradients``); each worker process (one allocator each) reports what is allocated after build, the peak of a
-first epoch (the process's peak: build, tracing, steps) and the median of the next epoch's per-step peaks.
+``shard_gradients``, ``shard_parameters``); each worker process (one allocator each) reports what is allocated after
+build, the peak of a first epoch (the process's peak: build, tracing, steps) and the median of the next epoch's
+per-step peaks. ``--workers-only`` skips the one-machine part.
 
-    .venv/bin/python benchmarks/bench_zero.py [--windows 5] [--workers 2] [--json PATH]
+    .venv/bin/python benchmarks/bench_zero.py [--windows 5] [--workers 2 [--workers-only]] [--json PATH]
 """
 
 from __future__ import annotations
@@ -136,14 +137,14 @@ def per_worker_peaks(workers: int) -> tuple[list[list[str]], dict[str, object]]:
     from paraml.planning.sizes import format_bytes
 
     found = {}
-    for variant in ("unsharded", "shard_optimizer", "shard_gradients"):
+    for variant in ("unsharded", "shard_optimizer", "shard_gradients", "shard_parameters"):
         command = [sys.executable, "-m", "paraml", "launch", "-n", str(workers), __file__, "--worker-run", variant]
         found[variant] = sorted(_run_marked(command), key=lambda r: r["worker"])
     rows = []
     for variant, results in found.items():
         for result in results:
             against = next(r for r in found["shard_optimizer"] if r["worker"] == result["worker"])
-            saved = (int(against["peak"]) - int(result["peak"])) / int(result["parameters"])
+            saved = (int(against["peak"]) - int(result["peak"])) / (LAYERS * (WIDTH * WIDTH + WIDTH) * 4)
             rows.append(
                 [variant, str(result["worker"]), format_bytes(int(result["parameters"]))]
                 + [format_bytes(int(result[f])) for f in ("optimizer", "state", "peak", "step_peak")]
@@ -156,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--windows", type=int, default=5, help="timed rounds (default 5)")
     parser.add_argument("--workers", type=int, default=0, help="also measure each worker's peak under launch -n N")
+    parser.add_argument("--workers-only", action="store_true", help="only the per-worker part (with --workers)")
     parser.add_argument("--worker-run", choices=tuple(VARIANTS), help=argparse.SUPPRESS)  # one launched worker
     parser.add_argument("--peak-run", choices=tuple(VARIANTS), help=argparse.SUPPRESS)  # one fresh process
     parser.add_argument("--json", metavar="PATH", help="also write the JSON record to PATH")
@@ -171,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     from paraml.planning.sizes import format_bytes
 
     record: dict[str, object] = {"environment": environment(), "variants": {}}
+    if args.workers_only:
+        _print_workers(args.workers, record)
+        write_json(record, args.json, echo=False)
+        return 0
     peaks = {v: _run_marked([sys.executable, __file__, "--peak-run", v])[0] for v in VARIANTS}
     parameter_bytes = LAYERS * (WIDTH * WIDTH + WIDTH) * 4
     times = _step_times(args.windows)
@@ -195,11 +201,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"parameters: {format_bytes(parameter_bytes)}")
     print(format_table(rows, header))
     if args.workers:
-        rows, record["workers"] = per_worker_peaks(args.workers)
-        header = ["variant", "worker", "parameters", "optimizer", "allocated after build", "peak", "step peak"]
-        print(format_table(rows, header + ["peak below shard_optimizer (x params)"]))
+        _print_workers(args.workers, record)
     write_json(record, args.json, echo=False)
     return 0
+
+
+def _print_workers(workers: int, record: dict[str, object]) -> None:
+    """Measure and print each worker's figures per variant (:func:`per_worker_peaks`), kept in ``record``."""
+    from paraml.bench.harness import format_table
+
+    rows, record["workers"] = per_worker_peaks(workers)
+    header = ["variant", "worker", "parameters", "optimizer", "allocated after build", "peak", "step peak"]
+    print(format_table(rows, header + ["peak below shard_optimizer (x params)"]))
 
 
 def _step_times(windows: int) -> dict[str, float]:

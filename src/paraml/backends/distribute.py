@@ -22,7 +22,7 @@ from paraml.cluster.config import connect_timeout, global_worker_index, wait_for
 from paraml.cluster.detect import setup_tf_config
 from paraml.devices import canonical_device, resolve_devices
 from paraml.internals import shift_collective_keys
-from paraml.parallelism.zero import owned_variables
+from paraml.parallelism.zero import ShardedSlots, owned_variables
 from paraml.planning.plan import zero_stage
 
 __all__ = [
@@ -47,6 +47,8 @@ class StrategyBackend(Backend):
             self.capabilities = dataclasses.replace(self.capabilities, zero_stage=stage)
         self.strategy: tf.distribute.Strategy = self.make_strategy(devices)
         self.topology = self.make_topology()
+        #: ZeRO-3: where each trainable variable was made (its owner; across workers, whether this one holds it)
+        self.placed = ShardedSlots()
 
     @abc.abstractmethod
     def make_strategy(self, devices: DeviceSpec) -> tf.distribute.Strategy:
@@ -63,8 +65,15 @@ class StrategyBackend(Backend):
             if self.capabilities.zero_stage < 3:
                 yield strategy
                 return
-            with owned_variables(self.topology.devices):  # ZeRO-3: each trainable variable once, on its owner
+            t = self.topology
+            # ZeRO-3: each trainable variable once, on its owner
+            with owned_variables(t.devices, self.placed, t.num_workers, t.worker_index):
                 yield strategy
+
+    def apply_plan(self, model: Any, plan: Any, **runtime: Any) -> None:
+        if self.capabilities.zero_stage == 3 and self.topology.num_workers > 1:
+            runtime["placed"] = self.placed  # each unit gathers its weights from the other workers
+        super().apply_plan(model, plan, **runtime)
 
     def distribute(self, dataset: tf.data.Dataset) -> Iterable[Any]:
         return self.strategy.experimental_distribute_dataset(dataset)
@@ -241,7 +250,11 @@ class MultiWorkerBackend(StrategyBackend):
     ``communication`` is ``"auto"``, ``"ring"`` or ``"nccl"``. Each worker uses its local devices (every GPU, else
     the CPU). Create it at program start: TensorFlow must not have initialised its devices yet. Option
     ``shard_optimizer=True`` keeps each variable's optimizer slots on one replica of one worker
-    (:mod:`paraml.parallelism.zero`); ``shard_gradients=True`` also reduces each gradient to that replica only.
+    (:mod:`paraml.parallelism.zero`); ``shard_gradients=True`` also reduces each gradient to that replica only;
+    ``shard_parameters=True`` also keeps the variable there only (another worker holds an empty placeholder), each
+    unit's weights gathered from their owners where it runs, in the forward pass and again in its recomputed
+    backward pass. The model then computes inside ``fit``, ``evaluate`` and ``predict`` only, and ``par.save``
+    writes whole tensors.
 
     Each worker::
 
@@ -255,11 +268,6 @@ class MultiWorkerBackend(StrategyBackend):
     option_names = ("cluster_resolver", "communication", "shard_optimizer", "shard_gradients", "shard_parameters")
 
     def make_strategy(self, devices: DeviceSpec) -> tf.distribute.Strategy:
-        if self.options.get("shard_parameters"):
-            raise ValueError(
-                "shard_parameters=True runs under 'mirrored' (one machine: a worker cannot read another's variable) "
-                "in this version; under 'multi_worker' use shard_gradients=True (ZeRO-2) or shard_optimizer=True"
-            )
         if devices is not None:
             raise ValueError(
                 f"strategy 'multi_worker' uses each worker's local devices, got devices={devices!r}: leave devices "

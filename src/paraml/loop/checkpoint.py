@@ -80,10 +80,17 @@ def _seed_states(model: keras.Model) -> list[Any]:
     return [v for v in model.variables if v.path.endswith("seed_generator_state")]
 
 
+def _held(variable: Any) -> bool:
+    """Whether this process holds the value of ``variable`` (a model's weight): under ``shard_parameters=True``
+    across workers, another worker's weight is a zero-size placeholder here (its Keras variable keeps the whole
+    shape)."""
+    return tuple(variable.value.shape) == tuple(variable.shape)
+
+
 def _trackables(model: keras.Model, optimizer: keras.optimizers.Optimizer, state: Sequence[Any]) -> dict[str, Any]:
     """What a checkpoint holds, by key; ``state`` is the optimizer's variables as saved or restored (None: another
-    worker's slot, :mod:`paraml.parallelism.zero`)."""
-    tracked: dict[str, Any] = {f"model_{i:05d}": v.value for i, v in enumerate(model.weights)}
+    worker's slot, :mod:`paraml.parallelism.zero`). Another worker's weight is left out as such a slot is."""
+    tracked: dict[str, Any] = {f"model_{i:05d}": v.value for i, v in enumerate(model.weights) if _held(v)}
     # Without them, a resumed run would draw the random numbers of its first steps again.
     tracked.update({f"seed_{i:05d}": v.value for i, v in enumerate(_seed_states(model))})
     tracked.update({f"optimizer_{i:05d}": v for i, v in enumerate(state) if v is not None})
@@ -249,6 +256,7 @@ class CheckpointWriter:
         tracked = _trackables(model, optimizer, [value for value, _ in restorable])
         extras = sorted(k for k in tracked if k.startswith("extra_"))  # lists restored as they are made: the chief's
         shapes = {k: tuple(v.shape) for k, v in tracked.items() if k not in extras}
+        shapes.update({f"model_{i:05d}": tuple(v.shape) for i, v in enumerate(model.weights)})  # whole, held or not
         shapes.update({f"optimizer_{i:05d}": shape for i, (_, shape) in enumerate(restorable)})
         keys = sorted(shapes)
         held = workers.gather(tf.constant([int(key in tracked) for key in keys], tf.int32)).numpy().astype(bool)

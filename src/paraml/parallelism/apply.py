@@ -11,7 +11,9 @@ order (each later one wraps the earlier ones, so the order is the meaning):
 2. **Stage placement**: each unit's ``call`` runs under its stage's device (and, under a schedule other than GPipe,
    after the backward passes the schedule names). It wraps 1, so a split layer's whole-tensor ops run on its stage
    too. Under an interleaved schedule there are more stages (model chunks) than devices: stage ``s`` runs on the
-   mesh's stage ``s % stages``.
+   mesh's stage ``s % stages``. **Gathered weights** (ZeRO-3 across workers): each unit's ``call`` computes with its
+   weights gathered from their owners (:class:`paraml.parallelism.zero.GatheredWeights`), inside the recompute of 3,
+   so the backward pass gathers them again.
 3. **Recompute** (``remat``): each unit's ``call`` under ``tf.recompute_grad``. It wraps 2, so the recompute runs on
    the unit's stage.
 4. **Reads one unit ahead** (ZeRO-3): each unit's ``call`` waits for the inputs of the unit called before it, so
@@ -45,10 +47,14 @@ __all__ = ["AppliedPlan", "apply_plan", "current_replica"]
 Gate = Callable[[int, Sequence[Any]], list[Any]]
 
 
-def apply_plan(model: keras.Model, plan: ParallelPlan, gate: Gate | None = None) -> AppliedPlan:
+def apply_plan(
+    model: keras.Model, plan: ParallelPlan, gate: Gate | None = None, placed: zero.ShardedSlots | None = None
+) -> AppliedPlan:
     """Apply ``plan``'s techniques to ``model`` (built, its variables already placed) in the module's order.
 
     ``gate`` is the pipeline's wait (:meth:`paraml.backends.pipeline.Pipeline.gate`: the schedule's order).
+    ``placed``: under ZeRO-3 across workers, where the backend put each trainable variable (a worker holds its own
+    and a placeholder for the others'): each unit then gathers its weights.
     """
     stage_of_unit = plan.stage_of()
     units = model_units(model) if stage_of_unit else []
@@ -70,6 +76,8 @@ def apply_plan(model: keras.Model, plan: ParallelPlan, gate: Gate | None = None)
     # 2. stage placement: each unit's call on its stage's device of the replica traced, after the schedule's wait
     for name, layer in units:
         _run_on_stage(layer, plan, stage_of_unit[name], gate)
+    if placed is not None:  # each unit's weights from their owners, where it runs; inside 3's recompute
+        zero.GatheredWeights(placed).attach(model, model_units(model))
 
     # 3. recompute: wraps 2, so the recompute runs where the unit does
     recomputed = recompute_units(model) if plan.remat else []
@@ -78,7 +86,7 @@ def apply_plan(model: keras.Model, plan: ParallelPlan, gate: Gate | None = None)
     # recomputed backward pass keeps waiting on its output gradient only
     if plan.zero_stage == 3:
         zero.ReadAhead().attach([layer for _, layer in model_units(model)])
-    return AppliedPlan(plan, split, recomputed)
+    return AppliedPlan(plan, split, recomputed, placed)
 
 
 def _run_on_stage(layer: keras.layers.Layer, plan: ParallelPlan, stage: int, gate: Gate | None) -> None:
@@ -120,14 +128,20 @@ class AppliedPlan:
         plan: The plan applied.
         split: The split layers' computation (``tensor_parallel``), or None.
         recomputed: The names of the units that recompute their activations (``remat``).
+        placed: Under ZeRO-3 across workers, where each trainable variable lives (else None).
     """
 
     def __init__(
-        self, plan: ParallelPlan, split: tensor_parallel.SplitLayers | None = None, recomputed: list[str] | None = None
+        self,
+        plan: ParallelPlan,
+        split: tensor_parallel.SplitLayers | None = None,
+        recomputed: list[str] | None = None,
+        placed: zero.ShardedSlots | None = None,
     ) -> None:
         self.plan = plan
         self.split = split
         self.recomputed: list[str] = list(recomputed or ())
+        self.placed = placed
         self.sharded = zero.ShardedSlots()  # the sharded optimizer's slots, where each lives (ZeRO)
 
     def trained_variables(self, model: keras.Model) -> list[Any]:
@@ -149,6 +163,7 @@ class AppliedPlan:
                 stage=self.plan.zero_stage,
                 num_workers=topology.num_workers,
                 worker_index=topology.worker_index,
+                placed=self.placed,
             )
         if self.plan.stage_of() or self.split is not None:
             _update_beside_variables(getattr(optimizer, "inner_optimizer", optimizer))  # a loss scale's inner one
@@ -159,7 +174,7 @@ class AppliedPlan:
         3): a sum per replica would be a whole copy of the gradients on every device."""
         if self.plan.zero_stage < 2:
             return None
-        return zero.OwnedSums(variables, topology.devices, topology.num_workers, topology.worker_index)
+        return zero.OwnedSums(variables, topology.devices, topology.num_workers, topology.worker_index, self.placed)
 
     def build_optimizer(self, optimizer: Any, model: keras.Model) -> None:
         """Create ``optimizer``'s slots for the trained variables (a part's slots on the part's device, saved

@@ -1,5 +1,5 @@
 """Model state sharded over the replicas (ZeRO stages 1 to 3): ``shard_optimizer=True``, ``shard_gradients=True``
-and ``shard_parameters=True`` under ``mirrored`` (the first two under ``multi_worker`` as well).
+and ``shard_parameters=True`` under ``mirrored`` and ``multi_worker``.
 
 Under data parallelism every device holds a copy of every variable, of every gradient and of every optimizer slot
 (Adam's two moments: 8 of the 16 bytes per fp32 parameter). Here each trainable variable gets one **owner** replica
@@ -15,28 +15,39 @@ worker, worker after worker), and each stage keeps one more thing on the owner o
    the owner sums what it receives, so no replica receives the sums of the others' gradients. Rounds of one variable
    per owner bound what is in flight. A sparse gradient (an Embedding's ``IndexedSlices``, the rows a batch touched)
    is gathered as before. Traffic: the all-to-all sends (N-1)/N of the gradients, the all-gather as much again.
-3. **parameters** (``shard_parameters``, one machine): the variable itself lives only on its owner (created there by
+3. **parameters** (``shard_parameters``): the variable itself lives only on its owner (created there by
    :func:`owned_variables`), each replica reads it where it computes with it, and the units recompute in their
    backward pass (``remat``) so that a replica's copy lives only while its unit runs, in the forward and again in
    the backward pass, and each unit's forward pass waits for the unit before it (:class:`ReadAhead`), so its
    weights are read one unit ahead instead of all at the step's start. The owner's update is the only copy: nothing
    is broadcast. (DeepSpeed frees a layer's gathered
    weights after its forward pass without recomputing; a TensorFlow gradient holds the weights its layer read.)
+   Across workers a replica cannot read another process's variable: a worker holds its replicas' variables and an
+   empty placeholder for each of the others, and each unit gathers its weights from their owners by collective where
+   it runs (:class:`GatheredWeights`); the collective's gradient brings each owner its variables' gradients summed,
+   so the update reduces nothing. The model then computes inside a step (or on every
+   worker together in the strategy's scope).
 
 The optimizer is the user's Keras optimizer class, subclassed at run time (:func:`sharded_optimizer`) where a slot is
 created (on its owner, as a plain variable; on another worker, as an empty placeholder that keeps the slots'
 positions), where Keras' TensorFlow optimizer all-reduces the gradients (stage 2 and 3 leave the dense ones to the
 owners), where it hands each variable to the strategy for its update, and (stage 3) where AdamW decays the weights.
-Everything else is Keras' own code: the update rule (Adam, AdamW's weight decay, momentum, Nesterov...), the
+Under stage 3 an average of the weights (``use_ema=True``) is a slot like the others: the owner steps it right after
+the variable's update, and writes it over the variable every ``ema_overwrite_frequency`` steps (Keras' own step runs
+on every replica, its overwrite is a ``merge_call`` inside a ``cond``; both do nothing then). Under stages 1 and 2
+the averages stay a copy per replica, as Keras makes and steps them. Everything else is Keras' own code: the update
+rule (Adam, AdamW's weight decay, momentum, Nesterov...), the
 learning-rate schedule, clipping, a ``LossScaleOptimizer`` around it, sparse gradients. So the weights equal
 unsharded training.
 
 Gradient accumulation keeps its running sums on the owners too from stage 2 on (:class:`OwnedSums`).
 
 Checkpoints hold every slot and variable whole, by position, as for any optimizer. Across workers each worker writes
-its own slots into its shard of the checkpoint (:mod:`paraml.loop.shards`; :func:`restorable_state` says which it
-holds), and a restore fills only those; :func:`whole_state` gathers the other workers' slots only for a single-file
-save. So a sharded run restores on any backend, device count or sharding, and the other way round.
+its own slots (and, under ZeRO-3, its own weights) into its shard of the checkpoint (:mod:`paraml.loop.shards`;
+:func:`restorable_state` says which it holds), and a restore fills only those; :func:`whole_state` gathers the other
+workers' slots only for a single-file save. So a sharded run restores on any backend, device count or sharding, and
+the other way round. (Keras' own ``model.save_weights`` on one worker would write its placeholders: under ZeRO-3
+across workers, save with ``par.save``.)
 
 Importing this module is cheap; TensorFlow is imported when an optimizer is sharded.
 """
@@ -65,6 +76,18 @@ from paraml.planning.plan import zero_option
 if TYPE_CHECKING:  # pragma: no cover
     import keras
 
+# internals: move to paraml.internals
+#: The method of Keras' optimizer that updates the average of the weights (``use_ema=True``) after the update step,
+#: in replica context, on every replica: ``(self, trainable_variables)``. A sharded optimizer's owners update the
+#: averages in the update step instead (an average lives once, on its variable's owner).
+EMA_UPDATE = "_update_model_variables_moving_average"
+# internals: move to paraml.internals
+#: The method of Keras' optimizer that overwrites the variables with their averages (every
+#: ``ema_overwrite_frequency`` steps) inside a ``cond`` in replica context: ``(self, trainable_variables)``. Keras'
+#: TensorFlow version calls ``strategy.extended.update`` there, a ``merge_call`` a ``cond`` cannot hold; a sharded
+#: optimizer's owners overwrite in the update step instead.
+EMA_OVERWRITE = "_overwrite_model_variables_with_average_value"
+
 __all__ = [
     "OwnedSums",
     "ReadAhead",
@@ -78,8 +101,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class _Slot:
-    """A sharded slot's whole shape and dtype, the replica that owns it (global index), and whether this worker
-    holds it (else it is an empty placeholder)."""
+    """A sharded slot's or variable's whole shape and dtype, the replica that owns it (global index), and whether this
+    worker holds it (else it is an empty placeholder)."""
 
     shape: tuple[int, ...]
     dtype: str
@@ -88,8 +111,9 @@ class _Slot:
 
 
 class ShardedSlots:
-    """Which of a sharded optimizer's variables are sharded slots, and where each lives (kept by the applied plan,
-    not as attributes on the optimizer's variables). Entries hold the slots they are keyed by."""
+    """Which variables are sharded (an optimizer's slots; under ZeRO-3 the trainable variables themselves), and where
+    each lives (kept by the applied plan and the backend, not as attributes on the variables). Entries hold the
+    variables they are keyed by."""
 
     def __init__(self) -> None:
         self._by_id: dict[int, tuple[Any, _Slot]] = {}
@@ -97,13 +121,14 @@ class ShardedSlots:
     def record(self, slot: Any, where: _Slot) -> None:
         self._by_id[id(slot)] = (slot, where)
 
+    def where(self, variable: Any) -> _Slot | None:
+        """Where ``variable`` (a TensorFlow variable) lives, or None when it was not recorded."""
+        entry = self._by_id.get(id(variable))
+        return entry[1] if entry is not None and entry[0] is variable else None
+
     def of(self, optimizer: Any) -> list[_Slot | None]:
         """Where each of ``optimizer.variables`` lives; None for a variable that is not a sharded slot."""
-        found: list[_Slot | None] = []
-        for v in optimizer.variables:
-            entry = self._by_id.get(id(v))
-            found.append(entry[1] if entry is not None and entry[0] is v else None)
-        return found
+        return [self.where(v) for v in optimizer.variables]
 
 
 def _plain_variable_on(device: str) -> Callable[..., Any]:
@@ -159,14 +184,19 @@ def _all_gather(
 
 
 @contextmanager
-def owned_variables(devices: Sequence[str]) -> Iterator[None]:
-    """While the block runs (inside the strategy's scope), each trainable variable created is one plain variable on
-    the least loaded of ``devices`` by bytes so far (ZeRO-3: a device holds at most its share plus the largest
-    variable); every other variable (BatchNorm's statistics, seeds, step counters, metrics) is made by the strategy,
-    a copy per replica."""
+def owned_variables(
+    devices: Sequence[str], placed: ShardedSlots, num_workers: int = 1, worker_index: int = 0
+) -> Iterator[None]:
+    """While the block runs (inside the strategy's scope), each trainable variable created gets one owner among the
+    replicas of every worker (the least loaded by bytes so far: a replica holds at most its share plus the largest
+    variable) and is one plain variable on the owner's device, recorded in ``placed``; on the other workers it is a
+    zero-size placeholder (its place among the model's weights; :class:`GatheredWeights` brings the value). Every
+    other variable (BatchNorm's statistics, seeds, step counters, metrics) is made by the strategy, a copy per
+    replica. ``devices`` are this worker's replicas; each of the ``num_workers`` has as many."""
     import tensorflow as tf
 
-    load = [0] * len(devices)
+    first = worker_index * len(devices)
+    load = [0] * (num_workers * len(devices))  # bytes per replica, global; the same on every worker
 
     def create(next_creator: Callable[..., Any], **kwargs: Any) -> Any:
         if kwargs.get("trainable") is False:
@@ -176,10 +206,133 @@ def owned_variables(devices: Sequence[str]) -> Iterator[None]:
         value = tf.convert_to_tensor(kwargs["initial_value"], dtype=kwargs.get("dtype"))
         owner = load.index(min(load))
         load[owner] += int(value.shape.num_elements()) * value.dtype.size
-        return _plain_variable_on(devices[owner])(next_creator, **kwargs)
+        here = first <= owner < first + len(devices)
+        if not here:
+            kwargs["initial_value"] = tf.zeros([0], value.dtype)
+            kwargs.pop("shape", None)
+        variable = _plain_variable_on(devices[owner - first if here else 0])(next_creator, **kwargs)
+        placed.record(variable, _Slot(tuple(value.shape), value.dtype.name, owner, here))
+        return variable
 
     with tf.variable_creator_scope(create):
         yield
+
+
+class GatheredWeights:
+    """ZeRO-3 across workers: a worker holds the variables its replicas own, and a zero-size placeholder for each of
+    the others; each unit's ``call`` computes with its weights gathered from their owners just before, in the
+    forward pass and again in the recomputed backward pass.
+
+    One all-reduce per variable: the owner sends its value, every other replica zeros (another worker's variable is
+    never read). One per variable, not one of the unit's variables joined: a slice's gradient is as large as what it
+    was sliced from, and joining them (measured on 12 Dense layers of 1024 across 2 workers) put 35 MiB more on each
+    worker's step peak. The gathered values stand in for the variables through ``keras.StatelessScope``; what the
+    unit assigns there (Dropout's seed state, BatchNorm's statistics) is assigned to the variables afterwards, and the
+    losses it adds are added to the unit. The gradient of an all-reduce is an all-reduce of the gradients: the owner
+    receives its variable's gradient summed over the replicas, and the update needs no reduction.
+
+    Every replica reads each variable of the unit (the owner all of it, the others none of it, ``[:0]``), so each
+    replica's gradient reaches the collective and every replica runs the backward collective, in the same order.
+    """
+
+    def __init__(self, placed: ShardedSlots) -> None:
+        self.placed = placed
+
+    def attach(self, model: Any, units: Sequence[tuple[str, Any]]) -> None:
+        """Make each of ``units`` (name, layer) of ``model`` gather its weights when called.
+
+        Raises:
+            ValueError: naming a trainable variable of the model that no unit holds, or one with a regularizer or a
+                constraint (each would be read, as a placeholder, outside any unit).
+        """
+        held = {id(v) for _, layer in units for v in layer.trainable_variables}
+        outside = [v.path for v in model.trainable_variables if id(v) not in held]
+        if outside:
+            raise ValueError(
+                f"shard_parameters=True under 'multi_worker' gathers each unit's weights where the unit runs, but "
+                f"{outside[:3]} belong to no unit (a layer that is not a keras.Model holding them): use "
+                "shard_gradients=True, or hold those weights in a layer"
+            )
+        read_outside = [
+            v.path
+            for v in model.trainable_variables
+            if getattr(v, "regularizer", None) is not None or getattr(v, "constraint", None) is not None
+        ]
+        if read_outside:
+            raise ValueError(
+                f"shard_parameters=True under 'multi_worker' cannot train {read_outside[:3]}: a weight's regularizer "
+                "or constraint reads it outside its unit, where another worker holds it; use shard_gradients=True, "
+                "or drop the kernel_regularizer/kernel_constraint"
+            )
+        for name, layer in units:
+            layer.call = self._gathering(name, layer, layer.call)
+
+    def _gathering(self, name: str, layer: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+        import keras
+        import tensorflow as tf
+
+        weights = [(v, self.placed.where(v.value)) for v in layer.trainable_variables]
+        weights = [(v, where) for v, where in weights if where is not None]
+        state = [v for v in layer.variables if not v.trainable]  # seed states, moving statistics
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not weights:
+                return original(*args, **kwargs)
+            if any(isinstance(t, keras.KerasTensor) for t in tf.nest.flatten((args, kwargs))):
+                return original(*args, **kwargs)  # Keras' shape inference: no value is read
+            if not tf.distribute.has_strategy():
+                raise RuntimeError(
+                    f"unit {name!r} holds weights of other workers (shard_parameters=True under 'multi_worker'): call "
+                    "the model through par.fit, par.evaluate or par.predict, or on every worker together inside "
+                    "par.backend.strategy.scope(), where the workers gather them"
+                )
+            if tf.distribute.in_cross_replica_context():  # in the scope, outside a step: a collective as well
+                mapping = _gather_across(tf.distribute.get_strategy(), weights)
+            else:
+                mapping = _gather_from_owners(tf.distribute.get_replica_context(), weights)
+            with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+                outputs = original(*args, **kwargs)
+            for variable in state:  # what the unit assigned in the scope
+                value = scope.get_current_value(variable)
+                if value is not None:
+                    variable.assign(value)
+            for loss in scope.losses:
+                layer.add_loss(loss)
+            return outputs
+
+        return call
+
+
+def _gather_across(strategy: Any, weights: Sequence[tuple[Any, _Slot]]) -> list[tuple[Any, Any]]:
+    """``(variable, its whole value)`` for ``weights`` (Keras variables, and where each lives), gathered from their
+    owners in cross-replica context (every worker calls it together): one :func:`_all_gather` per dtype."""
+    replicas = int(strategy.num_replicas_in_sync)
+    whole: dict[int, Any] = {}
+    for dtype in sorted({where.dtype for _, where in weights}):
+        parts = [
+            [(i, where.shape) for i, (_, where) in enumerate(weights) if where.owner == r and where.dtype == dtype]
+            for r in range(replicas)
+        ]
+        whole.update(_all_gather(strategy, parts, lambda r, i: weights[i][0].value, dtype))
+    return [(variable, whole[i]) for i, (variable, _) in enumerate(weights)]
+
+
+def _gather_from_owners(context: Any, weights: Sequence[tuple[Any, _Slot]]) -> list[tuple[Any, Any]]:
+    """``(variable, its whole value)`` for ``weights`` (Keras variables, and where each lives), each
+    summed over the replicas in ``context`` from its owner's value and the others' zeros (an all-reduce per variable:
+    no joined buffer, whose slices' gradients would each be as large as the whole)."""
+    import tensorflow as tf
+
+    replica = current_replica()
+    gathered = []
+    for variable, where in weights:
+        n = int(tf.TensorShape(where.shape).num_elements())
+        mine = n if where.owner == replica else 0
+        with tf.device(variable.value.device):  # a placeholder or another replica's variable: nothing is sent
+            piece = tf.reshape(variable.value, [-1])[:mine]
+        whole = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.pad(piece, [[0, n - mine]]))
+        gathered.append((variable, tf.reshape(whole, where.shape)))
+    return gathered
 
 
 class ReadAhead:
@@ -233,9 +386,12 @@ def _is_copied(variable: Any) -> bool:
     return hasattr(variable, "values")
 
 
-def _variable_owners(variables: Sequence[Any], devices: Sequence[str], first: int, replicas: int) -> dict[int, int]:
-    """``id(variable.value)`` -> its owner replica (global index): a plain variable's is the replica whose device holds
-    it (ZeRO-3); the copied ones are balanced by bytes."""
+def _variable_owners(
+    variables: Sequence[Any], devices: Sequence[str], first: int, replicas: int, placed: ShardedSlots | None
+) -> dict[int, int]:
+    """``id(variable.value)`` -> its owner replica (global index): a plain variable's (ZeRO-3) is the one
+    :func:`owned_variables` recorded in ``placed``, else the replica whose device holds it; the copied ones are
+    balanced by bytes."""
     from paraml.devices import canonical_device
 
     local = [canonical_device(d) for d in devices]
@@ -244,8 +400,15 @@ def _variable_owners(variables: Sequence[Any], devices: Sequence[str], first: in
     found = {id(v.value): r for v, r in zip(copied, owners(sizes, replicas))}
     for v in variables:
         if not _is_copied(v.value):
-            found[id(v.value)] = first + local.index(canonical_device(v.value.device))
+            where = placed.where(v.value) if placed is not None else None
+            found[id(v.value)] = where.owner if where else first + local.index(canonical_device(v.value.device))
     return found
+
+
+def _reduced_in_backward(variables: Sequence[Any], num_workers: int) -> set[int]:
+    """``id(variable.value)`` of those whose gradient reaches their owner already summed over the replicas: under
+    ZeRO-3 across workers, each plain variable (:class:`GatheredWeights`: the backward pass of its gather)."""
+    return {id(v.value) for v in variables if not _is_copied(v.value)} if num_workers > 1 else set()
 
 
 #: The most elements one gradient sends to its owner in one all-to-all round (a larger one goes in several chunks):
@@ -310,6 +473,48 @@ def _reduce_to_owners(
     return reduced
 
 
+def _publish(
+    distribution: Any, devices: Sequence[str], first: int, replicas: int, num_workers: int, updated: list[Any]
+) -> None:
+    """Each of ``updated`` (a copied variable and the owner replica, global, whose copy holds its new value) made equal
+    on every replica: on one machine an assignment of the owner's copy (a broadcast), across workers one all-gather of
+    what each replica owns per dtype."""
+    import tensorflow as tf
+
+    if num_workers == 1:
+        for var, owner in updated:
+            with tf.device(devices[owner]):
+                value = tf.identity(var.values[owner])
+            var.assign(value)
+        return
+    for dtype in sorted({var.dtype for var, _ in updated}, key=str):
+        parts = [
+            [(i, tuple(var.shape)) for i, (var, o) in enumerate(updated) if o == r and var.dtype == dtype]
+            for r in range(replicas)
+        ]
+        whole = _all_gather(distribution, parts, lambda r, i: updated[i][0].values[r - first], dtype)
+        for i, value in whole.items():
+            updated[i][0].assign(value)
+
+
+def _average_and_overwrite(optimizer: Any, average: Any, variable: Any) -> None:
+    """Keras' step of the average of the weights (``use_ema=True``) for one variable, where both live: ``average``
+    moves towards the variable's new value, and every ``ema_overwrite_frequency`` steps the variable takes the
+    average (the same arithmetic as Keras' ``_update_model_variables_moving_average`` and
+    ``_overwrite_model_variables_with_average_value``, so the weights equal unsharded training)."""
+    import tensorflow as tf
+
+    momentum = tf.cast(tf.not_equal(optimizer.iterations, 0), variable.dtype) * optimizer.ema_momentum
+    average.assign(momentum * average + (1 - momentum) * variable)
+    frequency = optimizer.ema_overwrite_frequency
+    if frequency:
+
+        def overwrite() -> None:
+            variable.assign(average)
+
+        tf.cond((optimizer.iterations + 1) % frequency == 0, overwrite, lambda: None)
+
+
 def sharded_optimizer(
     optimizer: keras.optimizers.Optimizer,
     variables: Sequence[Any],
@@ -319,18 +524,23 @@ def sharded_optimizer(
     stage: int = 1,
     num_workers: int = 1,
     worker_index: int = 0,
+    placed: ShardedSlots | None = None,
 ) -> keras.optimizers.Optimizer:
     """A copy of ``optimizer`` (created in the strategy's scope, like the original) whose slots for ``variables``
     live on their owners among the replicas, and whose updates run there; each slot it makes is recorded in
     ``slots``. ``stage`` 2 and 3 reduce each dense gradient to its owner only; under 3, ``variables`` that live on
-    one device (:func:`owned_variables`) are updated there, in place.
+    one device (:func:`owned_variables`) are updated there, in place, and the average of the weights of such a
+    variable (``use_ema=True``) is a slot like the others: the owner steps it after the variable, and overwrites the
+    variable with it every ``ema_overwrite_frequency`` steps.
 
     ``devices`` are this worker's replicas (the strategy's, in its order); each of the ``num_workers`` workers has as
-    many, and this one is ``worker_index``.
+    many, and this one is ``worker_index``. ``placed``: where :func:`owned_variables` put the ZeRO-3 variables (across
+    workers their gradients arrive summed on the owners, :class:`GatheredWeights`).
 
     Raises:
         ValueError: for an optimizer Keras' TensorFlow backend does not step through its strategy (it has no
-            per-variable update to place), or an average of the weights (``use_ema``) of variables on one device.
+            per-variable update to place), or one that clips the gradients of variables gathered across workers (it
+            clips before the reduction, which their gradients have had already).
     """
     import tensorflow as tf
 
@@ -343,21 +553,32 @@ def sharded_optimizer(
     local = len(devices)
     first = worker_index * local  # this worker's first replica, globally
     replicas = num_workers * local
-    owner_of = _variable_owners(variables, devices, first, replicas)
+    owner_of = _variable_owners(variables, devices, first, replicas, placed)
     in_place = {id(v.value) for v in variables if not _is_copied(v.value)}  # ZeRO-3: one copy, on its owner
-    if in_place and getattr(optimizer, "use_ema", False):
+    summed_already = _reduced_in_backward(variables, num_workers)
+    clipping = {k: getattr(optimizer, k, None) for k in ("clipnorm", "clipvalue", "global_clipnorm")}
+    if summed_already and any(v is not None for v in clipping.values()):
         raise ValueError(
-            "shard_parameters=True cannot keep an average of the weights (use_ema=True): Keras updates it on every "
-            "replica, and each variable lives on one; use shard_gradients=True, or use_ema=False"
+            f"shard_parameters=True under 'multi_worker' cannot clip the gradients ({base.__name__} with "
+            f"{ {k: v for k, v in clipping.items() if v is not None} }): Keras clips each replica's gradient before "
+            "the reduction, which a gathered weight's gradient has had in the backward pass; use shard_gradients=True "
+            "or no clipping"
         )
+    averages: dict[int, Any] = {}  # id(variable on one device) -> its average of the weights (use_ema), on its owner
 
     def add_variable_from_reference(self: Any, reference_variable: Any, *args: Any, **kwargs: Any) -> Any:
         key = id(getattr(reference_variable, "value", reference_variable))
         owner, name = owner_of.get(key), kwargs.get("name", args[0] if args else None)
-        # EMA's averages (`use_ema=True`, named "average") are updated by every replica outside the per-variable
-        # update: one copy on its owner would be updated once per replica. They stay as Keras makes them.
-        if owner is None or name == "average":
+        # The average of the weights (use_ema) of a copied variable is a copy per replica, as Keras makes it: Keras
+        # steps it on every replica, and Keras' SwapEMAWeights swaps it through the strategy, copy by copy.
+        if owner is None or (name == "average" and key not in in_place):
             return base.add_variable_from_reference(self, reference_variable, *args, **kwargs)
+        slot = owned_slot(self, reference_variable, key, owner, name, args, kwargs)
+        if name == "average":
+            averages[key] = slot
+        return slot
+
+    def owned_slot(self: Any, reference_variable: Any, key: int, owner: int, name: Any, args: Any, kwargs: Any) -> Any:
         here = first <= owner < first + local
         with tf.variable_creator_scope(_plain_variable_on(devices[owner - first if here else 0])):
             if here and key in in_place:
@@ -395,12 +616,16 @@ def sharded_optimizer(
         for grad, var in grads_and_vars:
             if id(var) in owner_of:
                 owned.append((grad, var, owner_of[id(var)]))
-            else:
-                distributed_update_step(base)(self, distribution, [(grad, var)], learning_rate)
-        dense = [i for i, (g, v, _) in enumerate(owned) if g is not None and reduced_later(_one(distribution, g), v)]
-        summed = _reduce_to_owners(distribution, devices, first, replicas, [owned[i] for i in dense])
-        reduced = {dense[j]: value for j, value in summed.items()}
-        updated = []  # (mirrored variable, owner)
+                continue
+            distributed_update_step(base)(self, distribution, [(grad, var)], learning_rate)
+        dense = [
+            i
+            for i, (g, v, _) in enumerate(owned)
+            if g is not None and reduced_later(_one(distribution, g), v) and id(v) not in summed_already
+        ]
+        to_owners = _reduce_to_owners(distribution, devices, first, replicas, [owned[i] for i in dense])
+        reduced = {dense[j]: value for j, value in to_owners.items()}
+        updated = []  # (copied variable, owner)
         for i, (grad, var, owner) in enumerate(owned):
             if first <= owner < first + local:
                 here = owner - first
@@ -411,35 +636,42 @@ def sharded_optimizer(
                         rate = tf.cast(self.learning_rate, var.dtype) * tf.cast(self.weight_decay, var.dtype)
                         var.assign_sub(var * rate)  # as Keras' _apply_weight_decay, before the update
                     self.update_step(gradient, target, learning_rate)
+                    if id(var) in averages:
+                        _average_and_overwrite(self, averages[id(var)], var)
             if _is_copied(var):
                 updated.append((var, owner))
-        if num_workers == 1:
-            for var, owner in updated:  # every replica gets the owner's result
-                with tf.device(devices[owner]):
-                    value = tf.identity(var.values[owner])
-                var.assign(value)
-            return
-        for dtype in sorted({var.dtype for var, _ in updated}, key=str):
-            parts = [
-                [(i, tuple(var.shape)) for i, (var, o) in enumerate(updated) if o == r and var.dtype == dtype]
-                for r in range(replicas)
-            ]
-            whole = _all_gather(distribution, parts, lambda r, i: updated[i][0].values[r - first], dtype)
-            for i, value in whole.items():
-                updated[i][0].assign(value)
+        _publish(distribution, devices, first, replicas, num_workers, updated)
 
-    sharded = type(
-        base.__name__,
-        (base,),
-        {
-            "add_variable_from_reference": add_variable_from_reference,
-            ALL_REDUCE_GRADIENTS: _all_reduce_sum_gradients,
-            WEIGHT_DECAY[0]: _apply_weight_decay,
-            DISTRIBUTED_UPDATE_STEP: _distributed_tf_update_step,
-            "__module__": base.__module__,  # saved models name the user's class
-            "__doc__": base.__doc__,
-        },
-    )
+    def finalize_variable_values(self: Any, var_list: Any) -> None:
+        # Keras' end of training with use_ema: each variable on one device takes its average, on its owner
+        if not self.use_ema:
+            return
+        for var in (getattr(v, "value", v) for v in var_list):
+            owner = owner_of.get(id(var))
+            if id(var) in averages and owner is not None and first <= owner < first + local:
+                with tf.device(devices[owner - first]):
+                    var.assign(averages[id(var)])
+
+    def stepped_in_the_update(self: Any, trainable_variables: Any) -> None:
+        del self, trainable_variables  # the owners step the averages, and overwrite, in the update step
+
+    methods: dict[str, Any] = {
+        "add_variable_from_reference": add_variable_from_reference,
+        ALL_REDUCE_GRADIENTS: _all_reduce_sum_gradients,
+        WEIGHT_DECAY[0]: _apply_weight_decay,
+        DISTRIBUTED_UPDATE_STEP: _distributed_tf_update_step,
+        "__module__": base.__module__,  # saved models name the user's class
+        "__doc__": base.__doc__,
+    }
+    if in_place:  # ZeRO-3: every trained variable on one device, its average on its owner
+        methods.update(
+            {
+                EMA_UPDATE: stepped_in_the_update,
+                EMA_OVERWRITE: stepped_in_the_update,
+                "finalize_variable_values": finalize_variable_values,
+            }
+        )
+    sharded = type(base.__name__, (base,), methods)
     return sharded.from_config(optimizer.get_config())
 
 
@@ -449,19 +681,29 @@ class OwnedSums:
 
     An accumulating step reduces each gradient to its owner, as the update does (:func:`_reduce_to_owners`), and adds
     it there; the updating step adds the sum to the owner replica's gradient only, so the update's reduction brings
-    (the sum + this step's gradients) / steps to the owner, as replicated sums would. Made in the strategy's scope;
-    the owners are the sharded optimizer's (:func:`_variable_owners` of the same variables).
+    (the sum + this step's gradients) / steps to the owner, as replicated sums would. A gradient that arrives summed
+    (ZeRO-3 across workers) is added as it is. Made in the strategy's scope; the owners are the sharded optimizer's
+    (:func:`_variable_owners` of the same variables and ``placed``).
     """
 
-    def __init__(self, variables: Sequence[Any], devices: Sequence[str], num_workers: int, worker_index: int) -> None:
+    def __init__(
+        self,
+        variables: Sequence[Any],
+        devices: Sequence[str],
+        num_workers: int,
+        worker_index: int,
+        placed: ShardedSlots | None = None,
+    ) -> None:
         import tensorflow as tf
 
         self.devices = list(devices)
         self.first = worker_index * len(devices)
         self.replicas = num_workers * len(devices)
-        owner_of = _variable_owners(variables, devices, self.first, self.replicas)
+        owner_of = _variable_owners(variables, devices, self.first, self.replicas, placed)
         self.values = [v.value for v in variables]
         self.owners = [owner_of[id(value)] for value in self.values]
+        summed = _reduced_in_backward(variables, num_workers)
+        self.summed = [id(value) in summed for value in self.values]  # arrives summed on its owner
         #: index of a variable this worker's replicas own -> its running sum, a plain variable on the owner's device
         self.sums: dict[int, Any] = {}
         for i, (value, owner) in enumerate(zip(self.values, self.owners)):
@@ -475,12 +717,20 @@ class OwnedSums:
         replicas."""
         import tensorflow as tf
 
-        def add(strategy: Any, grads: list[Any]) -> None:
-            owned = [(g, value, owner) for g, value, owner in zip(grads, self.values, self.owners)]
-            for i, summed in _reduce_to_owners(strategy, self.devices, self.first, self.replicas, owned).items():
-                self.sums[i].assign_add(summed)
+        replica = current_replica()
+        for i, g in enumerate(grads):
+            if self.summed[i] and self.owners[i] == replica:
+                self.sums[i].assign_add(g)
+        reduced = [i for i, summed in enumerate(self.summed) if not summed]
+        if not reduced:
+            return
 
-        tf.distribute.get_replica_context().merge_call(add, args=(grads,))
+        def add(strategy: Any, grads: list[Any]) -> None:
+            owned = [(grads[j], self.values[i], self.owners[i]) for j, i in enumerate(reduced)]
+            for j, total in _reduce_to_owners(strategy, self.devices, self.first, self.replicas, owned).items():
+                self.sums[reduced[j]].assign_add(total)
+
+        tf.distribute.get_replica_context().merge_call(add, args=([grads[i] for i in reduced],))
 
     def with_sums(self, grads: list[Any], steps: float) -> list[Any]:
         """This replica's gradients over ``steps``, each with its sum added on the replica that owns it."""
