@@ -27,6 +27,8 @@ from paraml.internals import (  # noqa: E402
     ALL_REDUCE_GRADIENTS,
     ALLOCATOR_STATS,
     DISTRIBUTED_UPDATE_STEP,
+    EMA_OVERWRITE,
+    EMA_UPDATE,
     SAVEABLE_METHODS,
     VARIABLE_VALUE_KEY,
     WEIGHT_DECAY,
@@ -318,6 +320,34 @@ def test_keras_decays_weights_in_one_method_with_a_predicate():
     optimizer.exclude_from_weight_decay(var_names=["kernel"])
     assert getattr(optimizer, use)(variable.value) is False, changed(
         f"AdamW.{use} does not read exclude_from_weight_decay", "WEIGHT_DECAY"
+    )
+
+
+def test_keras_steps_and_overwrites_the_average_of_the_weights_in_two_methods():
+    """EMA_UPDATE and EMA_OVERWRITE: ZeRO-3 makes both do nothing and does their work on each variable's owner."""
+    calls = []
+
+    class Recorded(keras.optimizers.SGD):
+        pass
+
+    for name in (EMA_UPDATE, EMA_OVERWRITE):
+        original = getattr(keras.optimizers.SGD, name)
+
+        def recorded(self, trainable_variables, name=name, original=original):
+            calls.append(name)
+            return original(self, trainable_variables)
+
+        setattr(Recorded, name, recorded)
+        assert list(inspect.signature(original).parameters) == ["self", "trainable_variables"], changed(
+            f"Optimizer.{name} no longer takes (trainable_variables)",
+            "EMA_UPDATE" if name == EMA_UPDATE else "EMA_OVERWRITE",
+        )
+    optimizer = Recorded(learning_rate=1.0, use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=1)
+    variable = keras.Variable(np.ones((2,), "float32"))
+    optimizer.apply_gradients([(np.ones((2,), "float32"), variable)])
+    assert calls == [EMA_UPDATE, EMA_OVERWRITE], changed(
+        f"apply_gradients with use_ema no longer calls {EMA_UPDATE} then {EMA_OVERWRITE} (called: {calls})",
+        "EMA_UPDATE",
     )
 
 

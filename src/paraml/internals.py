@@ -25,6 +25,8 @@ __all__ = [
     "ALL_REDUCE_GRADIENTS",
     "DISTRIBUTED_UPDATE_STEP",
     "WEIGHT_DECAY",
+    "EMA_OVERWRITE",
+    "EMA_UPDATE",
     "SAVEABLE_METHODS",
     "VARIABLE_VALUE_KEY",
     "all_to_all",
@@ -160,6 +162,16 @@ ALL_REDUCE_GRADIENTS = "_all_reduce_sum_gradients"
 #: variable is decayed, ``_use_weight_decay(variable)`` (``exclude_from_weight_decay``). The strategy's update takes
 #: distributed variables only, so a subclass decays a variable that lives on one device itself.
 WEIGHT_DECAY = ("_apply_weight_decay", "_use_weight_decay")
+
+#: The method of Keras' optimizer that updates the average of the weights (``use_ema=True``) after the update step,
+#: in replica context, on every replica: ``(self, trainable_variables)``. A sharded optimizer's owners update the
+#: averages in the update step instead (an average lives once, on its variable's owner).
+EMA_UPDATE = "_update_model_variables_moving_average"
+#: The method of Keras' optimizer that overwrites the variables with their averages (every
+#: ``ema_overwrite_frequency`` steps) inside a ``cond`` in replica context: ``(self, trainable_variables)``. Keras'
+#: TensorFlow version calls ``strategy.extended.update`` there, a ``merge_call`` a ``cond`` cannot hold; a sharded
+#: optimizer's owners overwrite in the update step instead.
+EMA_OVERWRITE = "_overwrite_model_variables_with_average_value"
 
 
 def optimizer_strategy(optimizer: Any) -> tf.distribute.Strategy:

@@ -50,8 +50,9 @@ _NOT_HERE = {
     "which 'single', 'central_storage' and 'model_parallel' do not)",
     "shard_gradients": " (only 'mirrored' and 'multi_worker' shard gradients: they reduce a copy per device, "
     "which 'single', 'central_storage' and 'model_parallel' do not)",
-    "shard_parameters": " (only 'mirrored' shards parameters: it keeps a copy per device, which 'single', "
-    "'central_storage' and 'model_parallel' do not; 'model_parallel' splits a model too large for one device)",
+    "shard_parameters": " (only 'mirrored' and 'multi_worker' shard parameters: they keep a copy per device, which "
+    "'single', 'central_storage' and 'model_parallel' do not; 'model_parallel' splits a model too large for one "
+    "device)",
     "schedule": " (a pipeline schedule: only 'model_parallel' pipelines)",
     "data_parallel": " (copies of a pipeline: only 'model_parallel' pipelines; the data-parallel strategies make "
     "every device a copy already)",

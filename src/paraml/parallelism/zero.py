@@ -63,6 +63,8 @@ from typing import TYPE_CHECKING, Any
 from paraml.internals import (
     ALL_REDUCE_GRADIENTS,
     DISTRIBUTED_UPDATE_STEP,
+    EMA_OVERWRITE,
+    EMA_UPDATE,
     WEIGHT_DECAY,
     all_to_all,
     distributed_update_step,
@@ -76,19 +78,8 @@ from paraml.planning.plan import zero_option
 if TYPE_CHECKING:  # pragma: no cover
     import keras
 
-# internals: move to paraml.internals
-#: The method of Keras' optimizer that updates the average of the weights (``use_ema=True``) after the update step,
-#: in replica context, on every replica: ``(self, trainable_variables)``. A sharded optimizer's owners update the
-#: averages in the update step instead (an average lives once, on its variable's owner).
-EMA_UPDATE = "_update_model_variables_moving_average"
-# internals: move to paraml.internals
-#: The method of Keras' optimizer that overwrites the variables with their averages (every
-#: ``ema_overwrite_frequency`` steps) inside a ``cond`` in replica context: ``(self, trainable_variables)``. Keras'
-#: TensorFlow version calls ``strategy.extended.update`` there, a ``merge_call`` a ``cond`` cannot hold; a sharded
-#: optimizer's owners overwrite in the update step instead.
-EMA_OVERWRITE = "_overwrite_model_variables_with_average_value"
-
 __all__ = [
+    "GatheredWeights",
     "OwnedSums",
     "ReadAhead",
     "ShardedSlots",
