@@ -290,6 +290,15 @@ def test_keras_swap_ema_weights_swaps_the_averages_under_shard_gradients():
     np.testing.assert_allclose(found[1], found[0], rtol=1e-5)
 
 
+def test_keras_swap_ema_weights_is_refused_by_name_under_shard_parameters():
+    x, y = data(tokens=False)
+    par = Parallel("mirrored", devices=2, seed=2, shard_parameters=True)
+    par.build(mlp, optimizer=keras.optimizers.Adam(use_ema=True), loss=LOSS)
+    swap = keras.callbacks.SwapEMAWeights(swap_on_epoch=True)
+    with pytest.raises(ValueError, match="SwapEMAWeights.*shard_parameters=True.*shard_gradients=True"):
+        par.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[swap])
+
+
 def test_a_models_own_train_step_with_a_layer_loss_trains_sharded_as_mirrored():
     """A model's own ``train_step`` calls ``self.optimizer`` (the sharded one) and ``compute_loss`` (with an activity
     regularizer's loss): ZeRO-3 equals unsharded ``mirrored``."""

@@ -533,6 +533,13 @@ class Parallel:
                     "keras.callbacks.BackupAndRestore is not supported: use par.fit(..., checkpoint_dir=DIR), which "
                     "saves every epoch (and every checkpoint_every steps) and resumes exactly where a run stopped"
                 )
+            if isinstance(callback, keras.callbacks.SwapEMAWeights) and self.backend.capabilities.zero_stage == 3:
+                raise ValueError(
+                    "keras.callbacks.SwapEMAWeights swaps each weight with its copy per replica of the average, and "
+                    "under shard_parameters=True both live once, on the variable's owner; use shard_gradients=True "
+                    "(it keeps the averages a copy per replica), or leave the callback out and call "
+                    "par.model.optimizer.finalize_variable_values(par.model.trainable_variables) after training"
+                )
         if self.is_chief:
             return list(callbacks or ())
         return [c for c in callbacks or () if not isinstance(c, CHIEF_ONLY_CALLBACKS)]
