@@ -32,12 +32,14 @@ from paraml.internals import (  # noqa: E402
     SAVEABLE_METHODS,
     VARIABLE_VALUE_KEY,
     WEIGHT_DECAY,
+    WEIGHT_DECAY_EXCLUSIONS,
     all_to_all,
     allocator_events,
     attention_projections,
     autocast,
     autocast_dtype,
     concat_with_masks,
+    copy_weight_decay_exclusions,
     direct_sublayers,
     distributed_update_step,
     flatten_layers,
@@ -320,6 +322,22 @@ def test_keras_decays_weights_in_one_method_with_a_predicate():
     optimizer.exclude_from_weight_decay(var_names=["kernel"])
     assert getattr(optimizer, use)(variable.value) is False, changed(
         f"AdamW.{use} does not read exclude_from_weight_decay", "WEIGHT_DECAY"
+    )
+
+
+def test_keras_keeps_weight_decay_exclusions_outside_the_config():
+    optimizer = keras.optimizers.AdamW(weight_decay=0.1)
+    kernel = keras.Variable(np.ones((2,), "float32"), name="kernel")
+    bias = keras.Variable(np.ones((2,), "float32"), name="bias")
+    optimizer.exclude_from_weight_decay(var_list=[kernel], var_names=["bias"])
+    for name in WEIGHT_DECAY_EXCLUSIONS:
+        assert getattr(optimizer, name, None), changed(f"AdamW no longer keeps exclusions in {name}", "WEIGHT_DECAY")
+    plain = keras.optimizers.AdamW.from_config(optimizer.get_config())
+    assert plain._use_weight_decay(bias.value), "the config now holds the exclusions: the copy can go"
+    again = keras.optimizers.AdamW.from_config(optimizer.get_config())
+    copy_weight_decay_exclusions(optimizer, again)
+    assert not again._use_weight_decay(bias.value) and not again._use_weight_decay(kernel), changed(
+        "copied exclusions no longer exclude", "WEIGHT_DECAY_EXCLUSIONS"
     )
 
 

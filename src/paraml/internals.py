@@ -25,11 +25,13 @@ __all__ = [
     "ALL_REDUCE_GRADIENTS",
     "DISTRIBUTED_UPDATE_STEP",
     "WEIGHT_DECAY",
+    "WEIGHT_DECAY_EXCLUSIONS",
     "EMA_OVERWRITE",
     "EMA_UPDATE",
     "SAVEABLE_METHODS",
     "VARIABLE_VALUE_KEY",
     "all_to_all",
+    "copy_weight_decay_exclusions",
     "AllocatorEvent",
     "allocator_events",
     "attention_projections",
@@ -162,6 +164,20 @@ ALL_REDUCE_GRADIENTS = "_all_reduce_sum_gradients"
 #: variable is decayed, ``_use_weight_decay(variable)`` (``exclude_from_weight_decay``). The strategy's update takes
 #: distributed variables only, so a subclass decays a variable that lives on one device itself.
 WEIGHT_DECAY = ("_apply_weight_decay", "_use_weight_decay")
+
+#: Where ``Optimizer.exclude_from_weight_decay(var_list, var_names)`` keeps what it excludes: the variables' keys and
+#: the names' pattern. The optimizer's config does not hold them, so an optimizer re-created from its config (paraml
+#: makes one in the strategy's scope) would decay what the user excluded: :func:`copy_weight_decay_exclusions`.
+WEIGHT_DECAY_EXCLUSIONS = ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern")
+
+
+def copy_weight_decay_exclusions(source: Any, target: Any) -> None:
+    """Give the unbuilt optimizer ``target`` what ``source`` excludes from weight decay (see
+    :data:`WEIGHT_DECAY_EXCLUSIONS`); nothing when ``source`` excludes nothing."""
+    for name in WEIGHT_DECAY_EXCLUSIONS:
+        if getattr(source, name, None):
+            setattr(target, name, getattr(source, name))
+
 
 #: The method of Keras' optimizer that updates the average of the weights (``use_ema=True``) after the update step,
 #: in replica context, on every replica: ``(self, trainable_variables)``. A sharded optimizer's owners update the

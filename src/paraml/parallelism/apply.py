@@ -34,6 +34,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from paraml.internals import WEIGHT_DECAY
 from paraml.parallelism import tensor_parallel, zero
 from paraml.parallelism.remat import recompute_units
 from paraml.parallelism.zero import current_replica
@@ -113,11 +114,28 @@ def _update_beside_variables(optimizer: Any) -> None:
     original = optimizer.update_step
 
     def update_step(gradient: Any, variable: Any, learning_rate: Any) -> Any:
-        placed = variable.value if isinstance(variable, keras.Variable) else variable  # a Keras or a TF variable
-        with tf.device(placed.device):
+        with tf.device(_placed(variable).device):
             return original(gradient, variable, learning_rate)
 
     optimizer.update_step = update_step  # the public method, on this instance
+    keras_decay = getattr(optimizer, WEIGHT_DECAY[0])
+
+    def apply_weight_decay(variables: Any) -> None:
+        # AdamW's decay goes through the same one-device update: with one replica, each variable is decayed where it
+        # lives; copies per replica (data_parallel) are decayed per copy, on its device, by Keras already
+        one_replica = tf.distribute.get_strategy().num_replicas_in_sync == 1
+        alone = [one_replica and not hasattr(_placed(v), "values") for v in variables]
+        keras_decay([v for v, here in zip(variables, alone) if not here])
+        for v, here in zip(variables, alone):
+            if here:
+                zero.decay_weight(optimizer, _placed(v))
+
+    setattr(optimizer, WEIGHT_DECAY[0], apply_weight_decay)
+
+
+def _placed(variable: Any) -> Any:
+    """The TensorFlow variable of a Keras or TensorFlow variable (what has a device)."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
 
 
 class AppliedPlan:

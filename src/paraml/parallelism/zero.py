@@ -67,6 +67,7 @@ from paraml.internals import (
     EMA_UPDATE,
     WEIGHT_DECAY,
     all_to_all,
+    copy_weight_decay_exclusions,
     distributed_update_step,
     has_distributed_update_step,
     optimizer_strategy,
@@ -83,6 +84,7 @@ __all__ = [
     "OwnedSums",
     "ReadAhead",
     "ShardedSlots",
+    "decay_weight",
     "owned_variables",
     "restorable_state",
     "sharded_optimizer",
@@ -363,6 +365,21 @@ class ReadAhead:
         return call
 
 
+def decay_weight(optimizer: Any, variable: Any) -> None:
+    """Decay ``variable`` (a TensorFlow variable on one device) by the optimizer's ``weight_decay`` times its learning
+    rate, where it lives, as Keras' ``_apply_weight_decay`` does through a strategy's per-copy update (which runs
+    under the replica's device and takes distributed variables only); nothing when it has no decay or excludes
+    the variable."""
+    import tensorflow as tf
+
+    if optimizer.weight_decay is None or not getattr(optimizer, WEIGHT_DECAY[1])(variable):
+        return
+    with tf.device(variable.device):
+        rate = tf.cast(optimizer.learning_rate, variable.dtype)
+        decay = tf.cast(optimizer.weight_decay, variable.dtype)
+        variable.assign_sub(variable * decay * rate)  # Keras' order of the products: the same rounding
+
+
 def current_replica() -> int:
     """The index of the replica being traced, in its sync group (0 outside a replica context)."""
     import tensorflow as tf
@@ -623,9 +640,8 @@ def sharded_optimizer(
                 with tf.device(devices[here]):
                     gradient = reduced[i] if i in reduced else distribution.experimental_local_results(grad)[here]
                     target = var.values[here] if _is_copied(var) else var
-                    if not _is_copied(var) and self.weight_decay is not None and getattr(self, WEIGHT_DECAY[1])(var):
-                        rate = tf.cast(self.learning_rate, var.dtype) * tf.cast(self.weight_decay, var.dtype)
-                        var.assign_sub(var * rate)  # as Keras' _apply_weight_decay, before the update
+                    if not _is_copied(var):
+                        decay_weight(self, var)  # before the update, as Keras' own decay
                     self.update_step(gradient, target, learning_rate)
                     if id(var) in averages:
                         _average_and_overwrite(self, averages[id(var)], var)
@@ -663,7 +679,9 @@ def sharded_optimizer(
             }
         )
     sharded = type(base.__name__, (base,), methods)
-    return sharded.from_config(optimizer.get_config())
+    made = sharded.from_config(optimizer.get_config())
+    copy_weight_decay_exclusions(optimizer, made)  # not in the config
+    return made
 
 
 class OwnedSums:

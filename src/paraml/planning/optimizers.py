@@ -20,6 +20,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from paraml.internals import copy_weight_decay_exclusions
 from paraml.planning.sizes import nbytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -108,6 +109,7 @@ def fresh_optimizer(identifier: Any) -> keras.optimizers.Optimizer:
             fresh = keras.optimizers.deserialize(keras.optimizers.serialize(identifier))
         if not isinstance(fresh, keras.optimizers.Optimizer):
             raise TypeError(f"could not re-create optimizer {identifier!r} from its config")
+        copy_weight_decay_exclusions(identifier, fresh)  # not in the config
         return fresh
     known, config = None, {}
     if isinstance(identifier, str):
