@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -175,23 +177,30 @@ def test_bad_sharding_options_are_refused_naming_the_choices():
 
 
 @pytest.mark.slow
+def launched_on_two_workers(script: Path, tmp_path: Path) -> tuple[Any, Any, Any]:
+    """Run ``script`` under ``paraml launch -n 2`` (it writes ``worker{i}.npz`` into ``tmp_path``): both workers'
+    records, and the script imported here (its model and data functions)."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    done = run_process([sys.executable, "-m", "paraml", "launch", "-n", "2", str(script), str(tmp_path)], 300, env=env)
+    assert done.code == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    w0, w1 = (np.load(tmp_path / f"worker{i}.npz") for i in range(2))
+    sys.path.insert(0, str(script.parent))
+    try:
+        module = importlib.import_module(script.stem)
+    finally:
+        sys.path.pop(0)
+    return w0, w1, module
+
+
 def test_shard_gradients_across_two_workers_trains_as_mirrored_and_restores_under_single(tmp_path):
     """``paraml launch -n 2`` with ``shard_gradients=True`` and gradient accumulation (its sums on their owners,
     across the workers): the workers' weights equal unsharded ``mirrored`` on 2 devices from the same start, and the
     checkpoint restores under ``single`` to the same predictions."""
     script = Path(__file__).parent / "scripts" / "zero_worker.py"
-    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    done = run_process([sys.executable, "-m", "paraml", "launch", "-n", "2", str(script), str(tmp_path)], 300, env=env)
-    assert done.code == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    w0, w1 = (np.load(tmp_path / f"worker{i}.npz") for i in range(2))
+    w0, w1, worker = launched_on_two_workers(script, tmp_path)
     count = sum(k.startswith("final") for k in w0.files)
-    sys.path.insert(0, str(script.parent))
-    try:
-        from zero_worker import data as worker_data
-        from zero_worker import tagger as worker_tagger
-    finally:
-        sys.path.pop(0)
-    x, y = worker_data()
+    worker_tagger = worker.tagger
+    x, y = worker.data()
     par = Parallel("mirrored", devices=2, seed=2)
     par.build(worker_tagger, optimizer=keras.optimizers.Adam(gradient_accumulation_steps=2), loss=LOSS)
     par.model.set_weights([w0[f"initial{i}"] for i in range(count)])
@@ -343,19 +352,10 @@ def test_shard_parameters_across_two_workers_trains_as_mirrored_and_restores_und
     gradient accumulation: both on the owners) and the losses equal unsharded ``mirrored`` on 2 devices (rtol 1e-5,
     2 epochs), and the checkpoint written after training restores under ``single`` to the workers' predictions."""
     script = Path(__file__).parent / "scripts" / "zero3_worker.py"
-    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    done = run_process([sys.executable, "-m", "paraml", "launch", "-n", "2", str(script), str(tmp_path)], 300, env=env)
-    assert done.code == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    w0, w1 = (np.load(tmp_path / f"worker{i}.npz") for i in range(2))
+    w0, w1, worker = launched_on_two_workers(script, tmp_path)
     assert str(w0["paraml"]) == zero.__file__.replace("parallelism/zero.py", "__init__.py")  # this tree's paraml
-    sys.path.insert(0, str(script.parent))
-    try:
-        from zero3_worker import adam as worker_adam
-        from zero3_worker import data as worker_data
-        from zero3_worker import mlp as worker_mlp
-    finally:
-        sys.path.pop(0)
-    x, y = worker_data()
+    worker_adam, worker_mlp = worker.adam, worker.mlp
+    x, y = worker.data()
     plain = Parallel("mirrored", devices=2, seed=2)
     plain.build(worker_mlp, optimizer=worker_adam(), loss=LOSS)
     plain.restore(tmp_path / "initial")
