@@ -50,6 +50,7 @@ from paraml.internals import (  # noqa: E402
     optimizer_variable_list,
     own_trainable_variables,
     read_xspace,
+    replace_weight_decay,
     resource_variable,
     shift_collective_keys,
     start_graph_collection,
@@ -339,6 +340,20 @@ def test_keras_keeps_weight_decay_exclusions_outside_the_config():
     assert not again._use_weight_decay(bias.value) and not again._use_weight_decay(kernel), changed(
         "copied exclusions no longer exclude", "WEIGHT_DECAY_EXCLUSIONS"
     )
+
+
+def test_a_replaced_weight_decay_is_what_apply_gradients_calls():
+    optimizer = keras.optimizers.AdamW(learning_rate=0.5, weight_decay=0.1)
+    variable = keras.Variable(np.ones((2,), "float32"))
+    decayed = []
+    keras_decay = replace_weight_decay(optimizer, decayed.append)
+    optimizer.apply_gradients([(np.zeros((2,), "float32"), variable)])
+    assert len(decayed) == 1 and decayed[0][0] is variable, changed(
+        f"apply_gradients no longer decays through {WEIGHT_DECAY[0]}", "WEIGHT_DECAY"
+    )
+    np.testing.assert_allclose(variable.numpy(), [1.0, 1.0])  # Keras' own decay did not run
+    keras_decay([variable])
+    np.testing.assert_allclose(variable.numpy(), [0.95, 0.95])  # 1 - 0.5 * 0.1
 
 
 def test_keras_steps_and_overwrites_the_average_of_the_weights_in_two_methods():

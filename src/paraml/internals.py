@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -32,6 +32,7 @@ __all__ = [
     "VARIABLE_VALUE_KEY",
     "all_to_all",
     "copy_weight_decay_exclusions",
+    "replace_weight_decay",
     "AllocatorEvent",
     "allocator_events",
     "attention_projections",
@@ -169,6 +170,15 @@ WEIGHT_DECAY = ("_apply_weight_decay", "_use_weight_decay")
 #: the names' pattern. The optimizer's config does not hold them, so an optimizer re-created from its config (paraml
 #: makes one in the strategy's scope) would decay what the user excluded: :func:`copy_weight_decay_exclusions`.
 WEIGHT_DECAY_EXCLUSIONS = ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern")
+
+
+def replace_weight_decay(optimizer: Any, apply: Callable[[Any], None]) -> Callable[[Any], None]:
+    """Make ``optimizer`` (this instance) decay its weights with ``apply(variables)`` in place of Keras'
+    ``_apply_weight_decay`` (:data:`WEIGHT_DECAY`), which runs every decay under the replica's one device; returns
+    Keras' own, bound, for the variables ``apply`` leaves to it."""
+    keras_decay = getattr(optimizer, WEIGHT_DECAY[0])
+    setattr(optimizer, WEIGHT_DECAY[0], apply)
+    return cast(Callable[[Any], None], keras_decay)
 
 
 def copy_weight_decay_exclusions(source: Any, target: Any) -> None:

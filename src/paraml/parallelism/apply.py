@@ -34,7 +34,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from paraml.internals import WEIGHT_DECAY
+from paraml.internals import replace_weight_decay
 from paraml.parallelism import tensor_parallel, zero
 from paraml.parallelism.remat import recompute_units
 from paraml.parallelism.zero import current_replica
@@ -118,7 +118,6 @@ def _update_beside_variables(optimizer: Any) -> None:
             return original(gradient, variable, learning_rate)
 
     optimizer.update_step = update_step  # the public method, on this instance
-    keras_decay = getattr(optimizer, WEIGHT_DECAY[0])
 
     def apply_weight_decay(variables: Any) -> None:
         # AdamW's decay goes through the same one-device update: with one replica, each variable is decayed where it
@@ -130,7 +129,7 @@ def _update_beside_variables(optimizer: Any) -> None:
             if here:
                 zero.decay_weight(optimizer, _placed(v))
 
-    setattr(optimizer, WEIGHT_DECAY[0], apply_weight_decay)
+    keras_decay = replace_weight_decay(optimizer, apply_weight_decay)
 
 
 def _placed(variable: Any) -> Any:
