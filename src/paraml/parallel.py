@@ -533,7 +533,7 @@ class Parallel:
                     "keras.callbacks.BackupAndRestore is not supported: use par.fit(..., checkpoint_dir=DIR), which "
                     "saves every epoch (and every checkpoint_every steps) and resumes exactly where a run stopped"
                 )
-            if isinstance(callback, keras.callbacks.SwapEMAWeights) and self.backend.capabilities.zero_stage == 3:
+            if isinstance(callback, keras.callbacks.SwapEMAWeights) and self.plan and self.plan.zero_stage == 3:
                 raise ValueError(
                     "keras.callbacks.SwapEMAWeights swaps each weight with its copy per replica of the average, and "
                     "under shard_parameters=True both live once, on the variable's owner; use shard_gradients=True "

@@ -58,7 +58,8 @@ def apply_plan(
     and a placeholder for the others'): each unit then gathers its weights.
     """
     stage_of_unit = plan.stage_of()
-    units = model_units(model) if stage_of_unit else []
+    every_unit = model_units(model) if stage_of_unit or plan.zero_stage == 3 else []  # ZeRO-3 gathers, reads by unit
+    units = every_unit if stage_of_unit else []
 
     # 1. tensor splits: a split layer computes on its parts, on its stage's tensor shards of the replica traced
     split = None
@@ -78,7 +79,7 @@ def apply_plan(
     for name, layer in units:
         _run_on_stage(layer, plan, stage_of_unit[name], gate)
     if placed is not None:  # each unit's weights from their owners, where it runs; inside 3's recompute
-        zero.GatheredWeights(placed).attach(model, model_units(model))
+        zero.GatheredWeights(placed).attach(model, every_unit)
 
     # 3. recompute: wraps 2, so the recompute runs where the unit does
     recomputed = recompute_units(model) if plan.remat else []
@@ -86,7 +87,7 @@ def apply_plan(
     # 4. ZeRO-3: each unit's forward pass (its weights' reads) after the previous unit's inputs; wraps 3, so the
     # recomputed backward pass keeps waiting on its output gradient only
     if plan.zero_stage == 3:
-        zero.ReadAhead().attach([layer for _, layer in model_units(model)])
+        zero.ReadAhead().attach([layer for _, layer in every_unit])
     return AppliedPlan(plan, split, recomputed, placed)
 
 
