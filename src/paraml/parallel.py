@@ -27,12 +27,15 @@ from paraml.loop.batches import GlobalBatches, global_batches, split_validation,
 from paraml.loop.checkpoint import Checkpointing, CheckpointState, CheckpointWriter, restore_checkpoint, workers_of
 from paraml.loop.compiling import (
     MODEL_DEFAULT,
+    NOT_EAGER,
     check_compile_names,
-    compile_default,
+    check_loss,
+    compile_again_arguments,
     compile_model,
     extra_optimizers,
     given_arguments,
     overrides,
+    route_compile,
 )
 from paraml.loop.training import Trainer
 from paraml.memory import memory_by_device
@@ -61,6 +64,7 @@ _NOT_HERE = {
 }
 
 Verbose = int | str | bool
+
 
 #: Keras callbacks that write files which must exist once: under multi_worker only the chief runs them.
 CHIEF_ONLY_CALLBACKS = (keras.callbacks.ModelCheckpoint, keras.callbacks.CSVLogger, keras.callbacks.TensorBoard)
@@ -132,6 +136,7 @@ class Parallel:
         self._trainer: Trainer | None = None
         self._model: keras.Model | None = None
         self._pending_compile: dict[str, Any] | None = None  # a lazily built model compiles at its first batch
+        self._compile_args: dict[str, Any] = {}  # the last compile's arguments (a compile again keeps some)
         self._epochs_done = 0
         #: Writes ``save(..., asynchronous=True)``'s checkpoints in the background; the next save, restore and fit
         #: wait for it.
@@ -355,12 +360,9 @@ class Parallel:
             auto_scale_loss=auto_scale_loss,
             **compile_options,  # the arguments of the model's own compile
         )
-        if compile_args.get("loss", compile_default(model, "loss")) is None and not overrides(model, "train_step"):
-            raise ValueError(
-                "loss is required, e.g. loss='sparse_categorical_crossentropy' (or one per output); only a model "
-                "with its own train_step, or whose own compile picks a loss (a keras_hub task), trains without one"
-            )
+        check_loss(model, compile_args)
         self._model, self._trainer = model, None
+        route_compile(model, self._compile_again)  # par.model.compile(...) compiles again here, as par.compile does
         if model.weights:
             self._compile(compile_args)
         elif not self.backend.capabilities.builds_on_first_batch:
@@ -370,7 +372,7 @@ class Parallel:
                 "model on a batch inside model_fn"
             )
         else:  # a subclassed model built lazily (as Keras builds it at the first batch of fit)
-            self._pending_compile = compile_args
+            self._pending_compile = self._compile_args = compile_args
         return model
 
     def _seed_globals(self) -> None:
@@ -378,13 +380,61 @@ class Parallel:
         if self.seed is not None:
             keras.utils.set_random_seed(self.seed)
 
-    def _compile(self, compile_args: dict[str, Any]) -> None:
-        compiled = compile_model(self.backend, self.model, compile_args, self.jit_compile)
-        self._xla_reason = compiled.xla_reason
-        self._trainer = Trainer(
-            self.backend, self.model, self.steps_per_execution, compiled.accumulation_steps, compiled.xla
+    def compile(
+        self,
+        optimizer: Any = MODEL_DEFAULT,
+        loss: Any = MODEL_DEFAULT,
+        metrics: Any = MODEL_DEFAULT,
+        *,
+        loss_weights: Any = MODEL_DEFAULT,
+        weighted_metrics: Any = MODEL_DEFAULT,
+        auto_scale_loss: Any = MODEL_DEFAULT,
+        steps_per_execution: int | None = None,
+        jit_compile: bool | str | None = None,
+        **compile_options: Any,
+    ) -> None:
+        """Compile the built model again, as ``model.compile`` does in Keras (``par.model.compile(...)`` does the
+        same): the way to fine-tune (``base.trainable = True``, then compile with a lower learning rate, then fit).
+
+        The new optimizer is created where the layout puts it (replicated, sharded by the ZeRO stage, beside each
+        stage or tensor shard) for the variables trainable now; the step is traced again once. As in Keras, a loss
+        not given keeps the previous one, metrics not given keep the previous ones, and a ``trainable`` changed
+        without compiling again changes nothing (``fit`` warns). ``steps_per_execution`` and ``jit_compile``, when
+        given, replace the :class:`Parallel` options. The arguments are checked as :meth:`build` checks them, before
+        anything trains.
+        """
+        given = given_arguments(
+            optimizer=optimizer,
+            loss=loss,
+            metrics=metrics,
+            loss_weights=loss_weights,
+            weighted_metrics=weighted_metrics,
+            auto_scale_loss=auto_scale_loss,
+            **compile_options,
         )
-        self._pending_compile = None
+        options = {"steps_per_execution": steps_per_execution, "jit_compile": jit_compile}
+        self._compile_again({**given, **{k: v for k, v in options.items() if v is not None}})
+
+    def _compile_again(self, arguments: dict[str, Any]) -> None:
+        """A second compile (:meth:`compile`, or ``model.compile(**arguments)`` routed here)."""
+        model = self._require_model("compile")
+        given, steps, jit_compile = compile_again_arguments(
+            model, self._compile_args, arguments, self.steps_per_execution, self.jit_compile
+        )
+        self._saves.wait()  # a background save reads the optimizer this compile replaces
+        if self._trainer is None and self._pending_compile is not None:  # a lazily built model: at its first batch
+            self._pending_compile = self._compile_args = given
+        else:
+            self._compile(given, steps, jit_compile)  # a refused compile leaves the previous one in place
+        self.steps_per_execution, self.jit_compile = steps, jit_compile
+
+    def _compile(self, compile_args: dict[str, Any], steps: int | None = None, jit_compile: Any = None) -> None:
+        steps = self.steps_per_execution if steps is None else steps
+        jit_compile = self.jit_compile if jit_compile is None else jit_compile
+        compiled = compile_model(self.backend, self.model, compile_args, jit_compile)
+        self._xla_reason = compiled.xla_reason
+        self._trainer = Trainer(self.backend, self.model, steps, compiled.accumulation_steps, compiled.xla)
+        self._pending_compile, self._compile_args = None, compile_args
 
     def _require_model(self, action: str) -> keras.Model:
         if self._model is None:
@@ -640,10 +690,7 @@ def _check_build_arguments(
         if name in ("steps_per_execution", "jit_compile"):
             raise TypeError(f"{name} is an option of Parallel, not of build: Parallel(..., {name}=...)")
         if name == "run_eagerly":
-            raise TypeError(
-                "run_eagerly is not supported: paraml's loop runs in tf.function on every backend; to debug a "
-                "model eagerly, use plain keras model.compile(run_eagerly=True).fit(...)"
-            )
+            raise TypeError(NOT_EAGER)
     if not callable(model_fn) or isinstance(model_fn, keras.layers.Layer):
         raise TypeError(
             f"model_fn must be a zero-argument function that returns a keras.Model, got {model_fn!r}: pass the "

@@ -62,7 +62,12 @@ class Techniques(Protocol):
     recomputed: list[str]
 
     def trained_variables(self, model: keras.Model) -> list[Any]:
-        """The variables the gradient is taken for and the optimizer updates (a split weight's parts)."""
+        """The variables the gradient is taken for and the optimizer updates (a split weight's parts); for the
+        compiled model, those its last compile saw."""
+        ...
+
+    def variables_of(self, layer: keras.layers.Layer) -> list[Any]:
+        """Every variable of ``layer``, trainable or not, as the step sees it (a split weight's parts)."""
         ...
 
     def prepare_optimizer(self, optimizer: Any, model: keras.Model, topology: Topology) -> Any:

@@ -245,11 +245,11 @@ class ModelParallelBackend(StrategyBackend):
             for stage in plan.stages
             for name in stage.layers
         ]
-        self.pipeline.variable_stage = {  # the parts of split variables by their own
-            id(v.value): stage.index
+        self.pipeline.variable_stage = {  # the parts of split variables by their own; frozen ones too (a compile
+            id(v.value): stage.index  # again may train them)
             for stage in plan.stages
             for name in stage.layers
-            for v in self.techniques.trained_variables(by_name[name])
+            for v in self.techniques.variables_of(by_name[name])
         }
         return model
 

@@ -28,6 +28,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -508,9 +509,21 @@ def restore_checkpoint(
             f"{type(optimizer).__name__}: build with the same optimizer to resume (its state and learning rate "
             "are restored), or load only the weights with model.set_weights"
         )
-    _check_same_model(folder, stored, model, optimizer, techniques)
+    expected = _names(model, optimizer, techniques)
+    _check_same_model(folder, stored, expected, len(model.weights))
     # A checkpoint written before paraml saved seed states has none: those keep their values.
     state = [variable for variable, _ in _restorable_state(optimizer, techniques)]
+    if not _same_optimizer_state(stored, expected):
+        # Another compile's optimizer (the model compiled again with other layers trainable, as to fine-tune): the
+        # weights are this model's, the optimizer's state is not; it stays as it is, as Keras' load_weights skips it.
+        held = sum(_is_optimizer_key(k) for k in stored)
+        warnings.warn(
+            f"checkpoint {str(folder)!r} holds {held} optimizer variables, this optimizer has {len(state)}: it was "
+            "written under another compile (other layers trainable). Its weights are restored; the optimizer keeps "
+            "its own state (a fresh one after a compile)",
+            stacklevel=3,
+        )
+        state = []
     tracked = {
         k: v for k, v in _trackables(model, optimizer, state).items() if not k.startswith("seed_") or k in stored
     }
@@ -542,21 +555,31 @@ def _stored(folder: Path, prefix: str) -> tuple[dict[str, tuple[int, ...]], str 
     return stored, saved_class.decode() if isinstance(saved_class, bytes) else str(saved_class)
 
 
+def _same_optimizer_state(stored: dict[str, tuple[int, ...]], expected: dict[str, tuple[str, tuple[int, ...]]]) -> bool:
+    """Whether the checkpoint's optimizer variables are this optimizer's: as many, each of the same shape."""
+    saved = {k: shape for k, shape in stored.items() if _is_optimizer_key(k)}
+    wanted = {k: shape for k, (_, shape) in expected.items() if _is_optimizer_key(k)}
+    return saved == wanted
+
+
+def _is_optimizer_key(key: str) -> bool:
+    """Whether ``key`` is one of the optimizer's variables (``optimizer_00003``; not ``optimizer_class``)."""
+    return key.startswith("optimizer_") and key[len("optimizer_") :].isdigit()
+
+
 def _check_same_model(
-    folder: Path,
-    stored: dict[str, tuple[int, ...]],
-    model: keras.Model,
-    optimizer: keras.optimizers.Optimizer,
-    techniques: Techniques | None,
+    folder: Path, stored: dict[str, tuple[int, ...]], expected: dict[str, tuple[str, tuple[int, ...]]], weights: int
 ) -> None:
-    """Refuse a checkpoint of another model, naming the first variable missing or of another shape."""
-    expected = _names(model, optimizer, techniques)
+    """Refuse a checkpoint of another model (of ``weights`` variables), naming the first variable missing or of
+    another shape (``expected``: :func:`_names`). Its optimizer's state may be another compile's."""
     for key, (variable_path, shape) in expected.items():
+        if _is_optimizer_key(key):
+            continue
         if key not in stored:
             raise ValueError(
                 f"checkpoint {str(folder)!r} is of a different model: it has no value for {variable_path!r} "
                 f"(variable {key}); it holds {sum(k.startswith('model_') for k in stored)} model variables, this model "
-                f"has {len(model.weights)}"
+                f"has {weights}"
             )
         if stored[key] != shape:
             raise ValueError(
@@ -567,7 +590,7 @@ def _check_same_model(
     if extra:
         raise ValueError(
             f"checkpoint {str(folder)!r} is of a different model: it holds {len(extra)} more model variables than "
-            f"this model has ({len(model.weights)})"
+            f"this model has ({weights})"
         )
 
 

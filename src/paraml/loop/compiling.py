@@ -10,7 +10,7 @@ ValueError: unknown metric 'acuracy': Could not interpret metric identifier: acu
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,21 +18,27 @@ import keras
 import tensorflow as tf
 
 from paraml.backends.base import Backend
-from paraml.checks import did_you_mean
+from paraml.checks import check_int, did_you_mean
 from paraml.internals import state_unlocked, untracked
 from paraml.planning.observe import nested_layers
 from paraml.planning.optimizers import fresh_optimizer
 
 __all__ = [
     "MODEL_DEFAULT",
+    "NOT_EAGER",
     "Compiled",
+    "changed_trainable",
     "check_compile_names",
+    "check_loss",
+    "compile_again_arguments",
     "compile_default",
     "compile_model",
     "decide_xla",
     "extra_optimizers",
     "given_arguments",
     "overrides",
+    "route_compile",
+    "trainable_state",
 ]
 
 #: The step methods a model may override; paraml runs the model's own (per replica, as Keras' ``fit`` does).
@@ -52,6 +58,12 @@ MODEL_DEFAULT: Any = _ModelDefault()
 
 #: Arguments of ``keras.Model.compile`` that are options of ``Parallel`` (or refused) rather than of ``build``.
 PARALLEL_OPTIONS = ("run_eagerly", "steps_per_execution", "jit_compile")
+
+#: Why ``run_eagerly`` is refused (in ``build`` and in a compile again).
+NOT_EAGER = (
+    "run_eagerly is not supported: paraml's loop runs in tf.function on every backend; to debug a model eagerly, "
+    "use plain keras model.compile(run_eagerly=True).fit(...)"
+)
 
 #: Metric names Keras resolves from the loss and the output (not through ``keras.metrics.get``).
 _KERAS_SPECIAL_METRICS = ("accuracy", "acc", "crossentropy", "ce")
@@ -117,10 +129,92 @@ def given_arguments(**arguments: Any) -> dict[str, Any]:
     return given
 
 
+def compile_again_arguments(
+    model: keras.Model, previous: Mapping[str, Any], arguments: dict[str, Any], steps: int, jit_compile: bool | str
+) -> tuple[dict[str, Any], int, bool | str]:
+    """A compile again's arguments for ``model`` checked as ``build`` checks them: those for its ``compile``, and the
+    ``steps_per_execution`` and ``jit_compile`` it runs with (``steps`` and ``jit_compile`` unless given).
+
+    What it leaves out follows Keras' rule: no ``loss`` keeps the ``previous`` loss (and its ``loss_weights``); no
+    ``metrics`` and no ``weighted_metrics`` keep the previous metrics.
+    """
+    options = {name: arguments.pop(name) for name in PARALLEL_OPTIONS if name in arguments}
+    if options.pop("run_eagerly", False):
+        raise TypeError(NOT_EAGER)
+    steps = check_int("steps_per_execution", options.get("steps_per_execution", steps))
+    jit_compile = options.get("jit_compile", jit_compile)
+    if jit_compile not in (True, False, "auto"):
+        raise ValueError(f"jit_compile must be True, False or 'auto', got {jit_compile!r}")
+    given = given_arguments(**arguments)
+    kept: dict[str, Any] = {}
+    if "loss" not in given:
+        kept.update({k: previous[k] for k in ("loss", "loss_weights") if k in previous})
+    if "metrics" not in given and "weighted_metrics" not in given:
+        kept.update({k: previous[k] for k in ("metrics", "weighted_metrics") if k in previous})
+    given.update(kept)
+    check_compile_names(given.get("loss"), given.get("metrics"), given.get("weighted_metrics"))
+    check_loss(model, given)
+    return given, steps, jit_compile
+
+
+def check_loss(model: keras.Model, compile_args: Mapping[str, Any]) -> None:
+    """Refuse a compile without a loss where the model needs one (no own ``train_step``, no loss its compile picks)."""
+    if compile_args.get("loss", compile_default(model, "loss")) is None and not overrides(model, "train_step"):
+        raise ValueError(
+            "loss is required, e.g. loss='sparse_categorical_crossentropy' (or one per output); only a model "
+            "with its own train_step, or whose own compile picks a loss (a keras_hub task), trains without one"
+        )
+
+
+def route_compile(model: keras.Model, compile_again: Callable[[dict[str, Any]], None]) -> None:
+    """Make ``model.compile(...)`` (this instance's) call ``compile_again(arguments)`` with the arguments given, by
+    name, instead of Keras' own: a second compile (the fine-tuning guide's, after ``base.trainable = True``) then
+    creates its optimizer under the backend and the step is traced again, as ``par.compile(...)`` does."""
+    keras_compile = _keras_compile(model)
+    signature = inspect.signature(keras_compile)
+
+    def compile(*args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(*args, **kwargs)
+        arguments: dict[str, Any] = {}
+        for name, value in bound.arguments.items():
+            kind = signature.parameters[name].kind
+            arguments.update(value if kind is inspect.Parameter.VAR_KEYWORD else {name: value})
+        compile_again(arguments)
+
+    # inspect.signature(model.compile) and help() stay the model's own; _keras_compile finds Keras' again
+    compile.__signature__ = signature  # type: ignore[attr-defined]
+    compile.__doc__ = keras_compile.__doc__
+    compile.keras_compile = keras_compile  # type: ignore[attr-defined]
+    model.compile = compile  # the public method, on this instance (as a stage's call is)
+
+
+def _keras_compile(model: keras.Model) -> Callable[..., Any]:
+    """The model's own ``compile`` (its class's), also once :func:`route_compile` has routed ``model.compile``."""
+    routed = model.compile
+    return routed.keras_compile if inspect.isfunction(routed) and hasattr(routed, "keras_compile") else routed
+
+
+def trainable_state(model: keras.Model) -> dict[int, tuple[Any, bool]]:
+    """Each layer of ``model`` (nested ones included) and its ``trainable`` flag, by id: what a compile saw."""
+    return {id(layer): (layer, bool(layer.trainable)) for layer in nested_layers(model)}
+
+
+def changed_trainable(model: keras.Model, compiled: dict[int, tuple[Any, bool]]) -> list[str]:
+    """The names of the layers whose ``trainable`` flag differs from ``compiled`` (:func:`trainable_state`), outermost
+    first: a layer inside one already named is left out (setting ``base.trainable`` sets its layers' too)."""
+    changed = [
+        layer
+        for key, (layer, trainable) in trainable_state(model).items()
+        if key not in compiled or compiled[key][1] != trainable
+    ]
+    inner = {id(sub) for layer in changed for sub in nested_layers(layer) if sub is not layer}
+    return [layer.name for layer in changed if id(layer) not in inner]
+
+
 def compile_default(model: keras.Model, name: str) -> Any:
     """The default of argument ``name`` of ``model.compile`` (Keras' own where the model's compile passes it on
     through ``**kwargs``); ``inspect.Parameter.empty`` when it takes no such argument or it has no default."""
-    for compile_method in (model.compile, keras.Model.compile):
+    for compile_method in (_keras_compile(model), keras.Model.compile):
         parameters = inspect.signature(compile_method).parameters
         if name in parameters:
             return parameters[name].default
@@ -181,7 +275,7 @@ def _call_compile(backend: Backend, model: keras.Model, arguments: dict[str, Any
     """``model.compile(**arguments)`` where metric variables belong; state its own compile creates is the model's
     although the model is built (Keras compiles before ``fit`` builds, and locks a built model's state)."""
     with backend.metrics_scope(), state_unlocked(model):
-        model.compile(**arguments)
+        _keras_compile(model)(**arguments)
 
 
 def _chosen_by_model(backend: Backend, model: keras.Model, given: dict[str, Any]) -> tuple[Any, Any]:
@@ -190,7 +284,7 @@ def _chosen_by_model(backend: Backend, model: keras.Model, given: dict[str, Any]
     if "optimizer" in given and "loss" in given:
         return given["optimizer"], given["loss"]
     with backend.metrics_scope(), untracked():  # the real compile follows: nothing of this one stays tracked
-        model.compile(**given)
+        _keras_compile(model)(**given)
     optimizer = given.get("optimizer", model.optimizer)
     if "optimizer" not in given and isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer  # Keras' own wrapping (mixed_float16): paraml wraps it under the backend

@@ -69,7 +69,7 @@ def own_step_warning(model_name: str, replicas: int) -> str:
     )
 
 
-def _callers_level() -> int:
+def callers_level() -> int:
     """The ``stacklevel`` of the first caller outside paraml (a warning then shows the user's line, ``par.fit``)."""
     package = str(Path(__file__).resolve().parents[1])
     frame, level = inspect.currentframe(), 0
@@ -439,7 +439,7 @@ class ReplicaStep:
         if kind == "train" and "train_step" in self.own_steps and self.replicas > 1 and not self._warned:
             self._warned = True
             warnings.warn(
-                own_step_warning(type(self.model).__name__, self.replicas), OwnStepWarning, stacklevel=_callers_level()
+                own_step_warning(type(self.model).__name__, self.replicas), OwnStepWarning, stacklevel=callers_level()
             )
         if key not in self._functions:
             if f"{kind}_step" in self.own_steps and kind != "predict":

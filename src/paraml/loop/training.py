@@ -8,6 +8,7 @@ module only drives them and Keras' callbacks.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,8 +18,9 @@ import tensorflow as tf
 
 from paraml.backends.base import Backend
 from paraml.loop.batches import GlobalBatches
+from paraml.loop.compiling import changed_trainable, trainable_state
 from paraml.loop.epochs import EpochIterator
-from paraml.loop.steps import ReplicaStep
+from paraml.loop.steps import ReplicaStep, callers_level
 
 __all__ = ["ProgressHook", "Trainer", "should_validate"]
 
@@ -76,6 +78,22 @@ class Trainer:
         self.optimizer: keras.optimizers.Optimizer = model.optimizer
         self.steps_per_execution = steps_per_execution
         self.step = ReplicaStep(backend, model, accumulation_steps, jit_compile)
+        self._compiled_trainable = trainable_state(model)  # what this compile trains, for the warning below
+
+    def warn_if_trainable_changed(self) -> None:
+        """Warn, once per change, that a layer's ``trainable`` changed since the compile: as in Keras, what trains
+        stays what the compile saw until the model is compiled again."""
+        changed = changed_trainable(self.model, self._compiled_trainable)
+        if not changed:
+            return
+        self._compiled_trainable = trainable_state(self.model)
+        names = ", ".join(repr(name) for name in changed[:3]) + (f" and {len(changed) - 3} more" if changed[3:] else "")
+        warnings.warn(
+            f"the trainable flag of layer {names} changed since the model was compiled: it takes effect at the next "
+            "compile, as in Keras (the optimizer and the step still train the variables the compile saw); call "
+            "par.compile(...) or par.model.compile(...) again before fit",
+            stacklevel=callers_level(),
+        )
 
     def _run_epoch(
         self,
@@ -155,6 +173,7 @@ class Trainer:
         checkpoint (see :meth:`EpochIterator.start`); ``on_progress`` hears the progress (see :data:`ProgressHook`).
         """
         model = self.model
+        self.warn_if_trainable_changed()
         self.step.build_metrics(source)
         if validation is not None:
             self.step.build_metrics(validation)
@@ -203,6 +222,7 @@ class Trainer:
 
     def evaluate(self, source: GlobalBatches, *, verbose: int = 0) -> dict[str, float]:
         """Loss and metrics over every sample of ``source`` (or its first ``steps`` batches)."""
+        self.warn_if_trainable_changed()
         self.step.build_metrics(source)
         callbacks = keras.callbacks.CallbackList(
             add_progbar=bool(verbose), model=self.model, verbose=verbose, epochs=1, steps=source.steps

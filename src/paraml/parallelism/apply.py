@@ -161,9 +161,25 @@ class AppliedPlan:
         self.recomputed: list[str] = list(recomputed or ())
         self.placed = placed
         self.sharded = zero.ShardedSlots()  # the sharded optimizer's slots, where each lives (ZeRO)
+        #: What the last compile trains (:meth:`build_optimizer`): the model and its trained variables then.
+        self._compiled: tuple[Any, list[Any]] | None = None
 
     def trained_variables(self, model: keras.Model) -> list[Any]:
-        """``model.trainable_variables``, a split weight replaced by its parts (what the gradient is taken for)."""
+        """``model.trainable_variables``, a split weight replaced by its parts (what the gradient is taken for).
+
+        For the compiled model, those of its last compile: as in Keras, a layer's ``trainable`` changed since takes
+        effect at the next compile, which builds an optimizer for them (:meth:`build_optimizer`).
+        """
+        if self._compiled is not None and self._compiled[0] is model:
+            return list(self._compiled[1])
+        return self._trainable_now(model)
+
+    def variables_of(self, layer: keras.layers.Layer) -> list[Any]:
+        """Every variable of ``layer``, trainable or not (a frozen one may be trained after a compile again), a split
+        weight replaced by its parts."""
+        return list(layer.weights) if self.split is None else self.split.weights.with_parts(layer.weights)
+
+    def _trainable_now(self, model: keras.Model) -> list[Any]:
         if self.split is None:
             return list(model.trainable_variables)
         return self.split.weights.trained_variables(model)
@@ -173,16 +189,18 @@ class AppliedPlan:
         shards the model's state (ZeRO), and each variable's update beside the variable when a replica spans
         devices (stages, tensor shards)."""
         if self.plan.zero_stage:
+            slots = zero.ShardedSlots()  # this optimizer's only (a compile again replaces the previous one's)
             optimizer = zero.sharded_optimizer(
                 optimizer,
                 model.trainable_variables,
                 topology.devices,
-                self.sharded,
+                slots,
                 stage=self.plan.zero_stage,
                 num_workers=topology.num_workers,
                 worker_index=topology.worker_index,
                 placed=self.placed,
             )
+            self.sharded = slots  # once it is accepted: a refused one leaves the previous compile's as it was
         if self.plan.stage_of() or self.split is not None:
             _update_beside_variables(getattr(optimizer, "inner_optimizer", optimizer))  # a loss scale's inner one
         return optimizer
@@ -199,7 +217,9 @@ class AppliedPlan:
         joined)."""
         if self.split is not None:
             self.split.weights.record_slots(optimizer)
-        optimizer.build(self.trained_variables(model))
+        trained = self._trainable_now(model)  # a compile reads the trainable set again, as Keras' does
+        optimizer.build(trained)
+        self._compiled = (model, trained)
 
     def prepare_loss(self, loss: Any) -> Any:
         """``loss``, its cross-entropy computed on the slices of split logits when layers are split."""

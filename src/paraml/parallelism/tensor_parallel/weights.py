@@ -136,15 +136,21 @@ class SplitWeights:
     def trained_variables(self, model: Any) -> list[Any]:
         """``model.trainable_variables`` with each split variable replaced by its parts: what the gradient is taken
         with respect to and what the optimizer updates (each part's slots on the part's device)."""
+        return self.with_parts(model.trainable_variables)
+
+    def with_parts(self, variables: Sequence[Any]) -> list[Any]:
+        """``variables`` with each split variable replaced by its parts."""
         found = []
-        for v in model.trainable_variables:
+        for v in variables:
             entry = self._parts.get(id(v))
             found.extend(entry[1] if entry is not None and entry[0] is v else (v,))
         return found
 
     def record_slots(self, optimizer: Any) -> None:
         """Record each slot ``optimizer`` creates for a part (a Keras optimizer creates a slot from its variable,
-        ``add_variable_from_reference``), so that :meth:`saved_state` joins a variable's slots into one."""
+        ``add_variable_from_reference``), so that :meth:`saved_state` joins a variable's slots into one. The slots of
+        an optimizer recorded before (a compile again replaced it) are forgotten."""
+        self._slot_of.clear()
         for target in (optimizer, getattr(optimizer, "inner_optimizer", None)):
             if target is None or "add_variable_from_reference" in vars(target):
                 continue
