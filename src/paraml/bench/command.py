@@ -197,6 +197,25 @@ def compute_ratios(results: Sequence[BenchResult], devices: int = 2, metric: str
     return ratios
 
 
+def _explain(ns: argparse.Namespace, devices: int) -> int:
+    """``paraml bench --explain``: one step of the model under ``--strategy`` on ``devices`` devices, in its parts."""
+    from paraml.bench.explain import explain_step
+    from paraml.devices import ensure_devices
+
+    options = {} if ns.micro_batches is None else {"micro_batches": ns.micro_batches}
+    ensure_devices(devices)
+    model_fn, shape, kind = resolve_model(ns.model)
+    x, y = random_data(shape, kind, ns.batch_size)
+    work = Workload(model_fn, x, y, 1)
+    par = make_parallel(Spec(ns.strategy, devices, options=options))
+    par.build(work.model_fn, **work.compile_args())
+    explanation = explain_step(par, x, y)
+    print(explanation)
+    if ns.plot and not explanation.plot(ns.plot):
+        print("no plot: matplotlib is not installed (pip install 'paraml[plot]')", file=sys.stderr)
+    return 0
+
+
 def run_bench(
     model: str = "mlp",
     *,
@@ -385,6 +404,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plot", default=None, help="write a PNG plot here (needs matplotlib: pip install paraml[plot])"
     )
+    parser.add_argument(
+        "--explain",
+        action="store_true",
+        help="split one step of --strategy on the first of --devices into its parts (paraml.bench.explain)",
+    )
+    parser.add_argument("--strategy", default="mirrored", help="with --explain: the strategy whose step is explained")
+    parser.add_argument("--micro-batches", type=int_at_least(1), default=None, help="with --explain and model_parallel")
+    parser.add_argument(
+        "--batch-size", type=int_at_least(1), default=GLOBAL_BATCH, help="with --explain: the global batch"
+    )
 
 
 def run_from_args(ns: argparse.Namespace) -> int:
@@ -395,6 +424,8 @@ def run_from_args(ns: argparse.Namespace) -> int:
         raise ValueError(
             f"--devices must be device counts separated by commas, e.g. 1,2,4, got {ns.devices!r}"
         ) from None
+    if getattr(ns, "explain", False):
+        return _explain(ns, devices[0])
     report = run_bench(
         ns.model,
         devices=devices,

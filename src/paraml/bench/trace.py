@@ -34,6 +34,7 @@ from __future__ import annotations
 import glob
 import os
 import tempfile
+import time
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -82,6 +83,12 @@ class StepTrace:
 
     devices: tuple[str, ...]
     ops: tuple[OpRun, ...]
+    #: Seconds the loop spent on the traced batch (from the batch's start to its end, as a callback sees them): the
+    #: span plus what the host did around it (0.0 when not measured).
+    wall: float = 0.0
+    #: When the step waited for the input pipeline's next batch (``tf.data``'s get-next on the host), in seconds from
+    #: the first op's start (negative: before it).
+    input_waits: tuple[tuple[float, float], ...] = ()
 
     @property
     def span(self) -> float:
@@ -175,8 +182,9 @@ def trace_step(par: Parallel, x: Any, y: Any = None, *, sample_weight: Any = Non
 def trace_steps(
     par: Parallel, x: Any, y: Any = None, *, sample_weight: Any = None, steps: int = 1, warmup: int = 2
 ) -> list[StepTrace]:
-    """``steps`` training steps of ``par``, each on the global batch ``(x, y)`` and traced on its own, after
-    ``warmup`` untraced ones, all in one :meth:`paraml.Parallel.fit` call (one epoch, no shuffling).
+    """``steps`` training steps of ``par``, each on the global batch ``(x, y)`` (or the next batch of ``x``, a
+    ``tf.data.Dataset`` of global batches) and traced on its own, after ``warmup`` untraced ones, all in one
+    :meth:`paraml.Parallel.fit` call (one epoch, no shuffling).
 
     The first step ``par`` ever trains must run here (``warmup`` >= 1 for it): TensorFlow records which device runs
     each op of the step when it first runs it.
@@ -194,10 +202,15 @@ def trace_steps(
 
 def fit_recorded(par: Parallel, x: Any, y: Any, sample_weight: Any, recorder: _StepRecorder) -> None:
     """Train ``par`` on the global batch ``(x, y)`` once per batch ``recorder`` watches or warms up with (its
-    ``traced`` range's end), in one :meth:`paraml.Parallel.fit` call, one epoch, no shuffling."""
-    rows = len(np.asarray(tf.nest.flatten(x)[0]))
+    ``traced`` range's end), in one :meth:`paraml.Parallel.fit` call, one epoch, no shuffling. ``x`` may be a
+    ``tf.data.Dataset`` of global batches instead (repeated: its own pipeline, map functions and all, is what the steps
+    wait for)."""
     repeat = recorder.traced.stop
     try:
+        if isinstance(x, tf.data.Dataset):
+            par.fit(x.repeat(), steps_per_epoch=repeat, epochs=1, verbose=0, callbacks=[recorder])
+            return
+        rows = len(np.asarray(tf.nest.flatten(x)[0]))
         par.fit(
             _repeated(x, repeat),
             _repeated(y, repeat),
@@ -228,6 +241,7 @@ class _StepRecorder(keras.callbacks.Callback):
         self.traces: list[StepTrace] = []
         self._collecting = False
         self._profile_dir: tempfile.TemporaryDirectory[str] | None = None
+        self._began = time.perf_counter()
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
         if batch == 0 and self.par not in _NODE_DEVICES:
@@ -236,8 +250,10 @@ class _StepRecorder(keras.callbacks.Callback):
         if batch in self.traced:
             self._profile_dir = tempfile.TemporaryDirectory(prefix="paraml-trace-")
             tf.profiler.experimental.start(self._profile_dir.name)
+            self._began = time.perf_counter()
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        wall = time.perf_counter() - self._began
         if self._collecting:
             self._collecting = False
             _NODE_DEVICES[self.par] = _node_devices(stop_graph_collection())
@@ -245,7 +261,7 @@ class _StepRecorder(keras.callbacks.Callback):
             tf.profiler.experimental.stop()
             with self._profile_dir as directory:
                 self._profile_dir = None
-                self.traces.append(_read_trace(directory, _NODE_DEVICES[self.par], self.par.devices))
+                self.traces.append(_read_trace(directory, _NODE_DEVICES[self.par], self.par.devices, wall))
 
     def close(self) -> None:
         """Stop what a failed step left running."""
@@ -269,17 +285,28 @@ def _node_devices(graphs: list[Any]) -> dict[str, str]:
     return node_devices
 
 
-def _read_trace(directory: str, node_devices: dict[str, str], devices: Sequence[str]) -> StepTrace:
-    """The ops of the step in the profile written to ``directory``, on paraml's names of ``devices``."""
+#: The host event of ``tf.data``'s get-next: how long the step waited for its batch.
+INPUT_WAIT = "IteratorGetNextOp::DoCompute"
+
+
+def _read_trace(directory: str, node_devices: dict[str, str], devices: Sequence[str], wall: float = 0.0) -> StepTrace:
+    """The ops of the step in the profile written to ``directory``, on paraml's names of ``devices``; ``wall``: the
+    batch's seconds as the loop saw them."""
     (path,) = glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
     with open(path, "rb") as file:
         space = read_xspace(file.read())
     names = _device_names(set(node_devices.values()), devices)
     found = []  # (start, end) in picoseconds since the epoch: exact integers, subtracted before they become floats
+    waits = []
     for plane in space.planes:
         for line in plane.lines:
             for event in line.events:
-                node, _, op = plane.event_metadata[event.metadata_id].name.partition(":")
+                name = plane.event_metadata[event.metadata_id].name
+                if name == INPUT_WAIT:
+                    start = line.timestamp_ns * 1000 + event.offset_ps
+                    waits.append((start, start + event.duration_ps))
+                    continue
+                node, _, op = name.partition(":")
                 device = node_devices.get(node)
                 if not device or op in NOT_WORK:
                     continue
@@ -291,7 +318,8 @@ def _read_trace(directory: str, node_devices: dict[str, str], devices: Sequence[
         for start, end, node, op, device in sorted(found, key=lambda run: (run[0], run[4], run[2]))
     )
     others = sorted({op.device for op in ops} - set(devices))
-    return StepTrace((*devices, *others), ops)
+    input_waits = tuple(((start - origin) * 1e-12, (end - origin) * 1e-12) for start, end in sorted(waits))
+    return StepTrace((*devices, *others), ops, wall, input_waits)
 
 
 def _device_names(placed: set[str], devices: Sequence[str]) -> dict[str, str]:
