@@ -27,7 +27,7 @@ there is evidence of the dataflow, not a GPU's figure; the profiler adds a few m
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from paraml.bench.trace import OpRun, StepTrace, merge_intervals, trace_step
@@ -184,8 +184,7 @@ def explain_trace(par: Parallel, trace: StepTrace) -> StepExplanation:
     parts["input"] += outside
     wall = max(trace.wall, span + outside)
     parts["host"] = wall - span - outside
-    parts = {part: seconds * 1e3 for part, seconds in parts.items()}
-    parts = {part: parts[part] for part in PARTS}
+    parts = {part: parts[part] * 1e3 for part in PARTS}
     explanation = StepExplanation(
         layout=_layout(par),
         step_ms=wall * 1e3,
@@ -199,7 +198,7 @@ def explain_trace(par: Parallel, trace: StepTrace) -> StepExplanation:
         optimizer_scopes=frozenset(scopes),
     )
     biggest, advice = _advice(par, explanation)
-    return StepExplanation(**{**explanation.__dict__, "biggest": biggest, "advice": advice})
+    return replace(explanation, biggest=biggest, advice=advice)
 
 
 # -- the parts --------------------------------------------------------------------------------------------------------
