@@ -140,15 +140,14 @@ def test_the_guides_two_phases_equal_keras_under_every_layout(layout, keras_dens
 @pytest.mark.slow
 def test_a_keras_application_fine_tuned_equals_keras_with_its_batch_statistics_training():
     """MobileNet (weights=None) unfrozen whole: its BatchNormalization trains in the second phase (Keras 3), so the
-    data-parallel layouts (here ZeRO-1 on mirrored) equal Keras under MirroredStrategy(2), one device Keras on one."""
+    data-parallel layouts (here ZeRO-1 on mirrored) equal Keras under MirroredStrategy(2): the per-replica statistics
+    are what this test is for (the layouts against one-device Keras are the dense base's test above)."""
     data = image_data()
-    alone = keras_two_phases(mobilenet_model, data, keep_statistics=False, batch_size=8)
     mirrored = keras_two_phases(
         mobilenet_model, data, False, tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]), batch_size=8
     )
-    for layout, want in (("single", alone), ("shard_optimizer", mirrored)):
-        par = paraml_two_phases(layout, mobilenet_model, data, keep_statistics=False, batch_size=8)
-        assert_same_weights(par.model, want)
+    par = paraml_two_phases("shard_optimizer", mobilenet_model, data, keep_statistics=False, batch_size=8)
+    assert_same_weights(par.model, mirrored)
 
 
 def test_under_zero_1_each_device_holds_half_of_the_new_optimizer_state():

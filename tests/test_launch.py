@@ -453,7 +453,7 @@ def test_main_runs_the_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 @pytest.mark.parametrize(
     ("argv", "fragment"),
     [
-        (["-n", "0", "{script}"], "number of workers must be an int >= 1, got 0"),
+        (["-n", "0", "{script}"], "number of workers (-n) must be an int >= 1, got 0"),
         (["{missing}"], "script not found: {missing}"),
         (["--port", "65535", "-n", "2", "{script}"], "65535..65536"),
         (["--nnodes", "2", "{script}"], "--nnodes 2 needs --master HOST:PORT"),
@@ -493,7 +493,7 @@ def test_main_reports_port_in_use(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 def test_main_usage_error_returns_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["-n", "abc", "x.py"]) == 2
-    assert "invalid int value" in capsys.readouterr().err
+    assert "must be an integer N or a range MIN:MAX (for example 2:4), got 'abc'" in capsys.readouterr().err
 
 
 def test_python_dash_m_entry_point(tmp_path: Path) -> None:
@@ -510,7 +510,7 @@ def test_python_dash_m_entry_point(tmp_path: Path) -> None:
         timeout=60,
     )
     assert result.returncode == 2
-    assert "paraml launch: error: the number of workers must be" in result.stderr
+    assert "paraml launch: error: the number of workers (-n) must be" in result.stderr
 
 
 def test_run_from_args_with_a_subparser(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

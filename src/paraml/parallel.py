@@ -543,6 +543,7 @@ class Parallel:
                 trainer=trainer,
                 seed=start.seed,
                 asynchronous=async_checkpoint,
+                steps_per_epoch=source.steps,
             )
             start = checkpoints.resume(initial_epoch, epochs) or start
             if start.seed != (self.seed or 0):  # the checkpoint's seed decides the order

@@ -1,12 +1,16 @@
 """A worker of `paraml launch --max-restarts`: trains with checkpoint_dir and kills itself where it is told to.
 
 Usage: restart_train.py OUT_DIR [--epochs E] [--checkpoint-every N] [--kill RESTART:WORKER:STEP ...] [--pipeline]
-                        [--async]
+                        [--async] [--shard-optimizer] [--hold-after-epoch E]
 
 - Trains digits_model on the digits data with Parallel("multi_worker") and ``fit(checkpoint_dir=OUT_DIR/ckpt)``;
   ``--pipeline``: with Parallel("model_parallel", micro_batches=2) instead, each worker a 2-stage pipeline over its
   2 simulated devices, the workers its data-parallel copies.
 - ``--async``: ``fit(..., async_checkpoint=True)``, the checkpoints written in the background.
+- ``--shard-optimizer``: ``Parallel("multi_worker", shard_optimizer=True)`` (ZeRO-1 across the workers); the run
+  then also saves its final state with ``par.save(OUT_DIR/final)`` (every worker its shard).
+- ``--hold-after-epoch E``: on the first run, after epoch E (1-based) every worker waits there until it is sent
+  SIGTERM (a launcher resizing the job), then goes on: the loop stops at the next step and saves.
 - ``--kill R:W:S``: on run R (``PARAML_RESTART`` == R), worker W SIGKILLs itself right after global step S
   (counted from the start of training over all epochs, 1-based). Several may be given.
 - Writes ``OUT_DIR/pid-r{R}-w{W}`` (its PID), appends events to ``OUT_DIR/events.jsonl`` (start, first step, kill,
@@ -18,6 +22,7 @@ import argparse
 import json
 import os
 import signal
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -28,6 +33,8 @@ parser.add_argument("--checkpoint-every", type=int, default=None)
 parser.add_argument("--kill", action="append", default=[], help="RESTART:WORKER:STEP")
 parser.add_argument("--pipeline", action="store_true", help="model_parallel: a 2-stage pipeline per worker")
 parser.add_argument("--async", dest="background", action="store_true", help="fit(..., async_checkpoint=True)")
+parser.add_argument("--shard-optimizer", action="store_true", help="ZeRO-1 across the workers")
+parser.add_argument("--hold-after-epoch", type=int, default=None, help="wait for SIGTERM after this epoch (run 0)")
 args = parser.parse_args()
 
 RESTART = int(os.environ.get("PARAML_RESTART", "0"))
@@ -58,7 +65,7 @@ if args.pipeline:
     paraml.simulate_devices(2)
     par = Parallel("model_parallel", seed=0, micro_batches=2)
 else:
-    par = Parallel("multi_worker", seed=0)
+    par = Parallel("multi_worker", seed=0, shard_optimizer=args.shard_optimizer)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -74,8 +81,30 @@ class Faults(keras.callbacks.Callback):
         super().__init__()
         self.epoch, self.first, self.last = 0, True, 0
 
+    def on_train_begin(self, logs=None):
+        event("train_begin")  # built, and restored from the checkpoint (fit resumes before its callbacks begin)
+
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        event("epoch_end", epoch=epoch + 1, step=self.last)
+        if RESTART == 0 and args.hold_after_epoch == epoch + 1:
+            held = []  # the guard's handler stays in charge: ours only notes that the signal came
+            previous = signal.getsignal(signal.SIGTERM)
+
+            def note(signum, frame):
+                held.append(signum)
+                if callable(previous):
+                    previous(signum, frame)
+
+            signal.signal(signal.SIGTERM, note)
+            for _ in range(1200):  # at most 2 minutes
+                if held:
+                    break
+                time.sleep(0.1)
+            signal.signal(signal.SIGTERM, previous)
+            event("released", step=self.last)
 
     def on_train_batch_end(self, batch, logs=None):
         step = self.last = self.epoch * self.params["steps"] + batch + 1
@@ -91,6 +120,8 @@ class Faults(keras.callbacks.Callback):
 faults = Faults()
 (x, y), _ = load_digits()
 par.build(digits_model, optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+if RESTART == 0 and par.is_chief:
+    np.savez(os.path.join(args.out, "initial.npz"), *par.model.get_weights())
 par.fit(
     x,
     y,
@@ -104,6 +135,8 @@ par.fit(
 )
 if par.is_chief:
     np.savez(os.path.join(args.out, "weights.npz"), *par.model.get_weights())
+if args.shard_optimizer:
+    par.save(os.path.join(args.out, "final"))
 np.savez(os.path.join(args.out, f"weights-w{INDEX}.npz"), *par.model.get_weights())
 event("done", step=faults.last)
 print(f"done on run {RESTART}", flush=True)

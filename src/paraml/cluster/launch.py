@@ -38,13 +38,24 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO, TextIO
+from typing import IO, Protocol, TextIO
 
 from paraml.checks import check_int
 from paraml.cluster.config import connect_timeout, make_tf_config
+from paraml.cluster.elastic import (
+    PROGRESS_ENV,
+    REACHED_ENV,
+    RESIZE_ENV,
+    Bounds,
+    ElasticHost,
+    ElasticMember,
+    read_progress,
+    resize_text,
+)
 from paraml.cluster.logs import is_tensorflow_noise, show_all_logs
 from paraml.cluster.rendezvous import Rendezvous, split_address
 
@@ -269,23 +280,29 @@ def _on_sigterm(signum: int, frame: object) -> None:
 def _validate(
     script: str,
     args: Sequence[str],
-    num_workers: int,
+    num_workers: int | str,
     port: int | None,
     stop_timeout: float,
     max_restarts: int = 0,
-    nnodes: int = 1,
+    nnodes: int | str = 1,
     node_rank: int = 0,
     master: str | None = None,
-) -> list[int]:
-    """Check the launch's input before anything starts; return the ports the workers will use."""
-    check_int("the number of workers", num_workers)
+) -> tuple[Bounds, Bounds, list[int]]:
+    """Check the launch's input before anything starts; return the workers' and nodes' bounds and the ports this
+    node's workers will use."""
+    workers = Bounds.parse(num_workers, "the number of workers (-n)")
+    nodes = Bounds.parse(nnodes, "the number of nodes (--nnodes)")
     check_int("the number of restarts (--max-restarts)", max_restarts, low=0)
-    check_int("the number of nodes (--nnodes)", nnodes)
-    check_int(f"the node rank (--node-rank, with --nnodes {nnodes})", node_rank, low=0, high=nnodes - 1)
-    if nnodes > 1:
+    check_int(f"the node rank (--node-rank, with --nnodes {nodes})", node_rank, low=0, high=nodes.high - 1)
+    if workers.elastic and nodes.high > 1:
+        raise ValueError(
+            f"-n {workers} with --nnodes {nodes}: across nodes, give the range of nodes (--nnodes MIN:MAX) and a "
+            "fixed -n per node"
+        )
+    if nodes.high > 1:
         if master is None:
             raise ValueError(
-                f"--nnodes {nnodes} needs --master HOST:PORT: node 0's address and a free port, the same on every "
+                f"--nnodes {nodes} needs --master HOST:PORT: node 0's address and a free port, the same on every "
                 "node, through which the nodes exchange their workers' addresses"
             )
         split_address(master, "--master")
@@ -297,7 +314,7 @@ def _validate(
         raise FileNotFoundError(f"script not found: {script}")
     if not hasattr(os, "killpg"):  # pragma: no cover
         raise OSError("paraml launch needs a POSIX system (process groups)")
-    return _ports(num_workers, port, nnodes)
+    return workers, nodes, _ports(workers.high, port, nodes.high)
 
 
 def _ports(num_workers: int, port: int | None, nnodes: int) -> list[int]:
@@ -353,13 +370,25 @@ def _start_workers(
             readers.append(reader)
 
 
+class _Peers(Protocol):
+    """The other nodes of a run, as supervision sees them (:class:`Rendezvous`, :class:`ElasticHost`, ...)."""
+
+    @property
+    def stop_requested(self) -> bool: ...
+
+    @property
+    def stop_reason(self) -> str: ...
+
+    def report(self, code: int, final: bool = False) -> None: ...
+
+
 def _supervise(
     procs: Sequence[subprocess.Popen[bytes]],
     stop_timeout: float,
     output: _Output,
     lines: _WorkerLines,
     first: int = 0,
-    peers: Rendezvous | None = None,
+    peers: _Peers | None = None,
 ) -> tuple[int, int]:
     """Wait until every worker succeeded (-> ``(-1, 0)``), one failed (-> ``(index, code)``, the others stopped,
     the other nodes told), or another node failed (-> ``(-1, 143)``, the workers here stopped)."""
@@ -378,7 +407,7 @@ def _supervise(
         if all(code == 0 for code in codes):
             return -1, 0
         if peers is not None and peers.stop_requested:
-            output.line(f"{_PREFIX} another node failed; stopping the workers on this node")
+            output.line(f"{_PREFIX} {peers.stop_reason}; stopping the workers on this node")
             _stop(procs, signal.SIGTERM, stop_timeout, output)
             return -1, 128 + signal.SIGTERM
         time.sleep(_POLL_INTERVAL)
@@ -398,12 +427,12 @@ def _reap(procs: list[subprocess.Popen[bytes]], readers: list[threading.Thread])
 def launch(
     script: str,
     args: Sequence[str] = (),
-    num_workers: int = 2,
+    num_workers: int | str = 2,
     *,
     port: int | None = None,
     stop_timeout: float = 10.0,
     max_restarts: int = 0,
-    nnodes: int = 1,
+    nnodes: int | str = 1,
     node_rank: int = 0,
     master: str | None = None,
     python: str = sys.executable,
@@ -441,15 +470,22 @@ def launch(
     (give every node the same ``max_restarts``) or ends with the code of the worker that failed first. Each node's
     workers advertise ``PARAML_HOST`` when set, else the address the node reaches the master from.
 
+    Elastic (:mod:`paraml.cluster.elastic`): ``num_workers="MIN:MAX"`` on one machine starts MAX workers and goes on
+    without a worker that fails, while MIN remain; ``nnodes="MIN:MAX"`` lets nodes come (they join at once, every worker
+    writing its checkpoint first) and go (a stopped or lost node; a failing worker leaves its node), node 0 holding the
+    rendezvous for the whole job. A resize that follows a failure takes one of ``max_restarts``; a join does not. The
+    workers of a resized run get ``PARAML_RESIZE`` (what changed) and ``PARAML_REACHED``, and the chief prints where it
+    resumed and the steps lost.
+
     Args:
         script: Path of the Python script to run.
         args: Arguments passed to the script.
-        num_workers: Number of worker processes (>= 1), on this node.
+        num_workers: Number of worker processes (>= 1), on this node, or ``"MIN:MAX"`` (one node, elastic).
         port: First port of a contiguous range ``port..port+num_workers-1`` to use;
             by default free ports are picked automatically (fresh ones for each restart).
         stop_timeout: Grace period in seconds between SIGTERM/SIGINT and SIGKILL.
         max_restarts: How many times to start all workers again after a failure (>= 0; 0: never).
-        nnodes: How many machines run a launcher (>= 1).
+        nnodes: How many machines run a launcher (>= 1), or ``"MIN:MAX"`` (elastic).
         node_rank: This machine's rank, in 0..nnodes-1 (node 0 runs the master).
         master: ``"HOST:PORT"`` of node 0 through which the nodes exchange addresses (needed when ``nnodes > 1``).
         python: Python interpreter to run the script with.
@@ -479,7 +515,9 @@ def launch(
         [worker 1] epoch 1 loss 0.31
         0
     """
-    ports = _validate(script, args, num_workers, port, stop_timeout, max_restarts, nnodes, node_rank, master)
+    workers, nodes, ports = _validate(
+        script, args, num_workers, port, stop_timeout, max_restarts, nnodes, node_rank, master
+    )
     base_env = dict(os.environ if env is None else env)
     command = [python, "-u", script, *args]
     output = _Output(sys.stdout if out is None else out)
@@ -487,7 +525,10 @@ def launch(
 
     procs: list[subprocess.Popen[bytes]] = []  # the current run's workers
     readers: list[threading.Thread] = []
-    peers: Rendezvous | None = None  # the other nodes of the current run
+    peers: Rendezvous | None = None  # the other nodes of the current run (a fixed --nnodes)
+    elastic: ElasticHost | ElasticMember | None = None  # the other nodes of the whole job (--nnodes MIN:MAX)
+    scratch = tempfile.mkdtemp(prefix="paraml-launch-")  # where the chief writes how far it got (the resize line)
+    progress = os.path.join(scratch, "progress")
     previous_sigterm = None
     installed_sigterm = False
     try:
@@ -496,16 +537,31 @@ def launch(
         if threading.current_thread() is threading.main_thread():
             previous_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
             installed_sigterm = True
-        restart = 0
+        if nodes.elastic:
+            assert master is not None
+            timeout = connect_timeout()
+            elastic = (
+                ElasticHost(master, workers, nodes, timeout, max_restarts)
+                if node_rank == 0
+                else ElasticMember(master, workers, nodes, timeout, node_rank)
+            )
+        restart, run, resize = 0, 0, {}  # failures restarted, runs started, what the last resize changed
         while True:
             lines = _WorkerLines(output)
             addresses, first = [f"{_HOST}:{p}" for p in ports], 0
-            if nnodes > 1:
+            if elastic is not None:
+                formed = elastic.form(run, ports, base_env.get(_HOST_ENV))
+                if formed is None:  # the job ended while this node waited for a place in it
+                    assert isinstance(elastic, ElasticMember)
+                    return elastic.ended
+                addresses, first, run = formed.addresses, formed.first, formed.run
+                resize = {RESIZE_ENV: formed.resize, REACHED_ENV: formed.reached} if formed.resize else {}
+            elif nodes.high > 1:
                 assert master is not None
                 peers = Rendezvous.join(
                     master,
                     node_rank,
-                    nnodes,
+                    nodes.high,
                     ports,
                     host=base_env.get(_HOST_ENV),
                     timeout=connect_timeout(),
@@ -515,10 +571,25 @@ def launch(
                 )
                 addresses = peers.workers
                 first = sum(len(group) for group in peers.addresses[:node_rank])
-            _start_workers(command, base_env, addresses, first, len(ports), restart, lines, procs, readers)
-            index, code = _supervise(procs, stop_timeout, output, lines, first, peers)
+            run_env = {**base_env, PROGRESS_ENV: progress, **resize}
+            _start_workers(command, run_env, addresses, first, len(ports), run, lines, procs, readers)
+            index, code = _supervise(procs, stop_timeout, output, lines, first, elastic or peers)
             _reap(procs, readers)  # every process of this run is gone before the next starts
+            run += 1
             failed = f"worker {index} {_describe_exit(code)}"
+            reached = read_progress(progress)
+            if elastic is not None:
+                elastic.report(code)
+                code, final, why = elastic.outcome(reached)
+                if code == 0:
+                    return 0
+                errors.line(f"paraml launch: {why}" if why else f"paraml launch: the job ended (exit code {code})")
+                if final:
+                    if lines.failed is not None:
+                        errors.line(lines.summary(code))
+                    return code
+                ports = _ports(elastic.own_workers, port, nodes.high)
+                continue
             final = False
             if peers is not None:
                 peers.report(code)
@@ -529,22 +600,32 @@ def launch(
                     failed = f"node {failed_node} failed first (exit code {code})"
             if code == 0:
                 return 0
-            if final or restart >= max_restarts:
-                if max_restarts:
+            # This node's workers in the next run: an elastic one goes on without the one that failed.
+            active = len(ports) - (1 if workers.elastic else 0)
+            if final or restart >= max_restarts or active < workers.low:
+                if max_restarts or workers.elastic:
                     why = f"no restarts left ({restart} used)" if restart >= max_restarts else "not restarted: a node "
                     why += "" if restart >= max_restarts else "was stopped by a signal or lost"
+                    if active < workers.low and not final and restart < max_restarts:
+                        why = f"{active} worker(s) left, fewer than -n {workers}: the job ends"
                     errors.line(f"paraml launch: {failed}; {why}")
                 errors.line(lines.summary(code) if lines.failed is not None else f"paraml launch: {failed}")
                 return code
             restart += 1
-            errors.line(f"paraml launch: {failed}; restart {restart} of {max_restarts}")
+            if workers.elastic:
+                change = resize_text(f"worker {index} left", len(ports), active)
+                resize = {RESIZE_ENV: change, REACHED_ENV: reached}
+                errors.line(f"paraml launch: {failed}; {change}, restart {restart} of {max_restarts}")
+            else:
+                errors.line(f"paraml launch: {failed}; restart {restart} of {max_restarts}")
             # Fresh ports: the dead run's may linger or be taken; a given range is checked again.
-            ports = _ports(num_workers, port, nnodes)
+            ports = _ports(active, port, nodes.high)
     except (KeyboardInterrupt, _Terminated) as exc:
         sig = signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM
         output.line(f"{_PREFIX} received {sig.name}; stopping the workers")
-        if peers is not None:
-            peers.report(128 + sig, final=True)  # the other nodes stop too, and nobody restarts
+        stopping = peers or (elastic if procs else None)
+        if stopping is not None:  # the other nodes stop too; an elastic job goes on without this node (node 0: ends)
+            stopping.report(128 + sig, final=True)
         _stop(procs, sig, stop_timeout, output)
         return 128 + sig
     finally:
@@ -557,8 +638,10 @@ def launch(
                 signal.SIG_DFL if previous_sigterm is None else previous_sigterm,
             )
         _reap(procs, readers)
-        if peers is not None:
-            peers.close()
+        for channel in (peers, elastic):
+            if channel is not None:
+                channel.close()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -576,9 +659,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-n",
         "--num-workers",
-        type=int,
+        type=_count,
         default=2,
-        help="number of worker processes (default: 2)",
+        metavar="N|MIN:MAX",
+        help="number of worker processes on this node (default: 2); MIN:MAX on one node: start MAX and go on without "
+        "a worker that fails while MIN remain",
     )
     parser.add_argument(
         "--port",
@@ -602,10 +687,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--nnodes",
-        type=int,
+        type=_count,
         default=1,
-        metavar="N",
-        help="machines that each run this launcher with their own --node-rank and the same --master (default: 1)",
+        metavar="N|MIN:MAX",
+        help="machines that each run this launcher with their own --node-rank and the same --master (default: 1); "
+        "MIN:MAX: nodes may join (at once, from a checkpoint every worker writes) and leave while the job runs",
     )
     parser.add_argument(
         "--node-rank", type=int, default=0, metavar="R", help="this machine's rank in 0..N-1 (default: 0)"
@@ -631,6 +717,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs=argparse.REMAINDER,
         help="arguments passed to the script (everything after it)",
     )
+
+
+def _count(text: str) -> int | str:
+    """``-n``/``--nnodes`` as given: an int, or ``"MIN:MAX"`` (checked by :class:`~paraml.cluster.elastic.Bounds`)."""
+    return int(text) if text.strip().lstrip("-").isdigit() else text
 
 
 def isolation_prefix() -> list[str] | None:

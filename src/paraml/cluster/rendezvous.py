@@ -310,6 +310,11 @@ class Rendezvous:
         """Whether another rank failed (or the master is gone): this rank should stop its workers."""
         return self._stop.is_set()
 
+    @property
+    def stop_reason(self) -> str:
+        """Why this rank should stop (empty while the run goes on)."""
+        return "another node failed" if self._stop.is_set() else ""
+
     def report(self, code: int, final: bool = False) -> None:
         """Tell the master how this rank's run ended (0: success); ``final``: never restart (a signal stopped it).
         Reported once: later calls are ignored."""

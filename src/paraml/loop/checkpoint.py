@@ -41,6 +41,7 @@ import tensorflow as tf
 
 from paraml.backends.base import Techniques
 from paraml.checks import check_int
+from paraml.cluster.elastic import PROGRESS_ENV, REACHED_ENV, RESIZE_ENV
 from paraml.internals import optimizer_variable_list
 from paraml.loop.compiling import extra_optimizers
 from paraml.loop.preemption import Preempted, PreemptionGuard
@@ -499,6 +500,7 @@ def restore_checkpoint(
     index = read_index(folder)
     prefix = str(folder / _PREFIX)
     if index is not None:
+        _check_shards(index)
         stored = {key: shape for key, (_, shape, _) in index.tensors.items()}
         saved_class: str | None = str(index.metadata.get("optimizer_class", ""))
     else:
@@ -594,6 +596,20 @@ def _check_same_model(
         )
 
 
+def _check_shards(index: ShardIndex) -> None:
+    """Refuse a sharded checkpoint with a worker's shard missing (copied without it, or written where the workers do
+    not share storage), naming the shard: any number of workers can read it, but only whole."""
+    count = int(index.metadata.get("shards", 0))
+    missing = [w for w in range(count) if not (shard_folder(index.folder, w) / f"{_PREFIX}.index").is_file()]
+    if missing:
+        names = ", ".join(shard_folder(index.folder, w).name for w in missing)
+        raise ValueError(
+            f"checkpoint {str(index.folder)!r} was written by {count} workers but {names} (the tensors of worker "
+            f"{', '.join(map(str, missing))}) is missing: restore from where every worker's shard is (storage all "
+            "workers share), or from an earlier checkpoint"
+        )
+
+
 def _restore_shards(index: ShardIndex, tracked: dict[str, Any]) -> CheckpointState:
     """Fill ``tracked`` from a sharded checkpoint, reading from each shard only the tensors this worker holds (the
     other optimizers' lists from the chief's, filled as their variables are made)."""
@@ -643,6 +659,7 @@ class Checkpointing:
         trainer: Trainer,
         seed: int,
         asynchronous: bool = False,
+        steps_per_epoch: int | None = None,
     ) -> None:
         check_int("checkpoint_every", every, none_ok=True)
         check_int("keep", keep, none_ok=True)
@@ -653,7 +670,10 @@ class Checkpointing:
         self.seed = seed
         self.guard = PreemptionGuard()
         self.writer = CheckpointWriter(asynchronous)
+        self.steps_per_epoch = steps_per_epoch
         self._last_step = 0
+        # Under `paraml launch`, the chief says how far it got (the next run's resize line counts the steps lost).
+        self._progress = os.environ.get(PROGRESS_ENV) if self.backend.topology.is_chief else None
 
     def resume(self, initial_epoch: int, epochs: int) -> CheckpointState | None:
         """Restore the newest checkpoint, if any, into the model and optimizer; every worker must find the same.
@@ -672,6 +692,8 @@ class Checkpointing:
                 f"the workers disagree on where to resume from {str(self.directory)!r}: {values} (-1: no checkpoint; "
                 "epoch * 1e9 + step). checkpoint_dir must be on storage every worker sees (the chief writes it)"
             )
+        if self.backend.topology.is_chief and os.environ.get(RESIZE_ENV):
+            print(f"paraml: {self._resize_line(found, state)}", flush=True)
         if state is None or not (state.epoch > initial_epoch or (state.epoch == initial_epoch and state.step)):
             return None
         if state.epoch >= epochs:
@@ -682,6 +704,32 @@ class Checkpointing:
         if self.every:
             self._last_step = state.step - state.step % self.every
         return state
+
+    def _resize_line(self, found: Path | None, state: CheckpointState | None) -> str:
+        """What a resized run says once: what changed, the new layout, the checkpoint it resumes from, the steps
+        lost (those the last run's chief had done past that checkpoint)."""
+        plan = self.backend.techniques.plan
+        workers = self.backend.topology.num_workers
+        layout = f"{workers} worker{'s' if workers > 1 else ''}, {plan.layout}"
+        layout += f", ZeRO-{plan.zero_stage}" if plan.zero_stage else ""
+        where = "no checkpoint: training starts over"
+        if found is not None and state is not None:
+            where = f"resumed from {found.name} at epoch {state.epoch}, step {state.step}"
+        reached = [int(v) for v in os.environ.get(REACHED_ENV, "").split()]
+        lost = "steps lost unknown (the last run's chief recorded none)"
+        if len(reached) == 2:
+            lost = f"the last run reached epoch {reached[0]}, step {reached[1]}"
+            if self.steps_per_epoch:
+                done = (state.epoch * self.steps_per_epoch + state.step) if state is not None else 0
+                count = reached[0] * self.steps_per_epoch + reached[1] - done
+                lost = f"{count} step{'' if count == 1 else 's'} lost ({lost})"
+        return f"resized ({os.environ[RESIZE_ENV]}); layout: {layout}; {where}; {lost}"
+
+    def _record(self, epoch: int, step: int) -> None:
+        """Write where training stands to the launcher's progress file (a few bytes, no sync: the launcher reads it
+        once every worker is gone)."""
+        if self._progress:
+            Path(self._progress).write_text(f"{epoch} {step}\n")
 
     def save(self, epoch: int, step: int, asynchronous: bool | None = None) -> Path:
         """Save where training stands (``epoch`` epochs done, ``step`` steps into the next); in the background when
@@ -700,6 +748,7 @@ class Checkpointing:
 
     def __call__(self, epoch: int, steps_done: int, event: str) -> None:
         """The loop's progress: save at an epoch's end, where training stopped, and every ``every`` steps."""
+        self._record(epoch + 1 if event == "epoch_end" else epoch, 0 if event == "epoch_end" else steps_done)
         if event == "epoch_end":
             self.save(epoch + 1, 0)
             self._last_step = 0
