@@ -39,11 +39,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from bench_faults import EventClock  # beside this script (its folder is on sys.path when it runs)
 
 from paraml.bench.harness import format_table, int_at_least, write_json
 from paraml.cluster.launch import find_free_ports
@@ -55,29 +56,17 @@ PHASES = ("stop", "re-form", "restore", "first step")
 Events = list[dict[str, Any]]  # what the workers wrote to events.jsonl, each with "t": when it appeared
 
 
-class Watch:
-    """Stamps each line the workers append to ``events.jsonl`` with the time it appeared, and each worker process of
-    the first run (``pid-r0-w*``) with the time it was gone, polling every ``POLL_S``."""
-
-    POLL_S = 0.005
+class Watch(EventClock):
+    """:class:`EventClock` on the job's ``events.jsonl``, also stamping each worker process of the first run
+    (``pid-r0-w*``) with the time it was gone."""
 
     def __init__(self, out: Path) -> None:
-        self.out, self.stamps, self.gone = out, [], {}
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self.poll, daemon=True)
-        self.thread.start()
+        self.out, self.gone = out, {}
+        super().__init__(out / "events.jsonl")  # starts polling
 
-    def poll(self) -> None:
-        while not self.done.is_set():
-            self.look()
-            time.sleep(self.POLL_S)
-
-    def look(self) -> None:
+    def stamp_new_lines(self) -> None:
+        super().stamp_new_lines()
         now = time.perf_counter()
-        path = self.out / "events.jsonl"
-        if path.exists():
-            lines = path.read_text().count("\n")
-            self.stamps += [now] * (lines - len(self.stamps))
         for pid_file in self.out.glob("pid-r0-w*"):
             text = pid_file.read_text().strip()
             if text and pid_file.name not in self.gone and not Path(f"/proc/{text}").exists():
@@ -85,8 +74,7 @@ class Watch:
 
     def events(self) -> Events:
         """Every event so far, each with ``t``: when it appeared."""
-        path = self.out / "events.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
         return [{**json.loads(line), "t": t} for line, t in zip(lines, self.stamps)]
 
     def wait_for(self, what: Callable[[Events], bool], jobs: list[subprocess.Popen], timeout: float) -> None:
@@ -95,11 +83,6 @@ class Watch:
             if time.monotonic() > deadline or any(job.poll() not in (None, 0) for job in jobs):
                 raise SystemExit(f"the job never got there (exit codes {[job.poll() for job in jobs]})")
             time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.done.set()
-        self.thread.join()
-        self.look()
 
 
 def start(out: Path, launcher: list[str], script: list[str]) -> subprocess.Popen:

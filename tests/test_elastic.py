@@ -58,11 +58,10 @@ def _seen(tmp_path: Path, run: int) -> dict[int, dict[str, object]]:
     return {int(p.stem.split("-w")[1]): json.loads(p.read_text()) for p in tmp_path.glob(f"run{run}-w*.json")}
 
 
-def _wait_for(path: Path, count: int = 1, seconds: float = 60) -> None:
-    deadline = time.monotonic() + seconds
-    while len(list(path.parent.glob(path.name))) < count:
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.05)
+def _wait_for(path: Path, count: int = 1, seconds: int = 60) -> None:
+    with fails_after(seconds, f"waiting for {count} of {path}"):
+        while len(list(path.parent.glob(path.name))) < count:
+            time.sleep(0.05)
 
 
 # ------------------------------------------------------------------------- bad input

@@ -785,7 +785,9 @@ def test_a_signal_to_the_launcher_is_never_restarted(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(isolation_prefix() is None, reason="no unshare / user namespaces on this machine")
 def test_the_isolated_launch_restarts_too(tmp_path: Path) -> None:
-    script = _script(tmp_path, RESTART_PIDS + "sys.exit(9 if (RESTART, INDEX) == (0, 1) else 0)\n")
+    # Worker 1 fails once worker 0 has started (on a loaded machine it could fail before worker 0 ran a line).
+    fail = "if (RESTART, INDEX) == (0, 1):\n    wait_for('pid0-r0')\n    sys.exit(9)\n"
+    script = _script(tmp_path, RESTART_PIDS + fail)
     done = subprocess.run(
         [sys.executable, "-m", "paraml.cluster.launch", "-n", "2", "--max-restarts", "1", str(script)],
         capture_output=True,

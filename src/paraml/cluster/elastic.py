@@ -45,7 +45,16 @@ from pathlib import Path
 from typing import Any
 
 from paraml.cluster.config import ClusterConfigError
-from paraml.cluster.rendezvous import _Lines, _own_addresses, _send_quietly, split_address
+from paraml.cluster.rendezvous import (
+    _attempt,
+    _deadline,
+    _expired,
+    _Lines,
+    _own_addresses,
+    _raise_longer,
+    _send_quietly,
+    split_address,
+)
 
 __all__ = [
     "PROGRESS_ENV",
@@ -253,14 +262,13 @@ class ElasticHost:
 
     def form(self, round: int, ports: Sequence[int], host: str | None) -> Formed:
         """Wait for MIN nodes (and a last call), tell each its rank, collect their addresses, send everyone's."""
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        deadline = _deadline(self.timeout)
         with self._cond:
             while len(self._nodes) < self.nodes.low:
-                if deadline is not None and time.monotonic() > deadline:
+                if _expired(deadline):
                     raise ClusterConfigError(
                         f"node 0 waited {self.timeout:g} s and {len(self._nodes)} of at least {self.nodes.low} nodes "
-                        "(--nnodes) are there: start the others with the same --master and --nnodes, or raise "
-                        "PARAML_CONNECT_TIMEOUT (seconds)"
+                        f"(--nnodes) are there: start the others with the same --master and --nnodes, {_raise_longer()}"
                     )
                 self._cond.wait(_POLL)
             last_call = time.monotonic() + _LAST_CALL
@@ -373,7 +381,7 @@ class ElasticHost:
         """Stop listening and close every connection."""
         self._closed = True
         self._server.close()
-        for node in list(self._nodes) + list(self._members):
+        for node in {id(n): n for n in [*self._nodes, *self._members]}.values():  # a member may have left _nodes
             if node.sock is not None:
                 try:
                     node.sock.shutdown(socket.SHUT_RDWR)
@@ -388,20 +396,16 @@ class ElasticMember:
 
     def __init__(self, master: str, workers: Bounds, nodes: Bounds, timeout: float | None, rank: int = 1) -> None:
         host, port = split_address(master, "--master")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        last = "no attempt"
-        while True:
-            if deadline is not None and time.monotonic() > deadline:
+        deadline = _deadline(timeout)
+        attempt: socket.socket | str = "no attempt"
+        while not isinstance(attempt, socket.socket):
+            if _expired(deadline):
                 raise ClusterConfigError(
                     f"this node could not reach the master {master} (--master) within {timeout:g} s (last attempt: "
-                    f"{last}): start node 0 there first, or raise PARAML_CONNECT_TIMEOUT (seconds)"
+                    f"{attempt}): start node 0 there first, {_raise_longer()}"
                 )
-            try:
-                self.sock = socket.create_connection((host, port), timeout=2.0)
-                break
-            except OSError as exc:
-                last = exc.strerror or str(exc)
-                time.sleep(0.2)
+            attempt = _attempt(host, port, deadline)
+        self.sock = attempt
         self.sock.settimeout(None)
         self.workers = workers.high
         self.ended = 0  # the job's code when it ended while this node waited for a place

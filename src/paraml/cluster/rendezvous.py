@@ -118,6 +118,17 @@ def _raise_longer() -> str:
     return f"or raise {CONNECT_TIMEOUT_ENV} (seconds)"
 
 
+def _attempt(host: str, port: int, deadline: float | None) -> socket.socket | str:
+    """One attempt to reach the master before ``deadline``: the connected socket, or why it failed (after a short
+    pause, so that callers can simply try again)."""
+    try:
+        remaining = 2.0 if deadline is None else max(0.05, min(2.0, deadline - time.monotonic()))
+        return socket.create_connection((host, port), timeout=remaining)
+    except OSError as exc:
+        time.sleep(_RETRY_SECONDS)
+        return exc.strerror or str(exc)
+
+
 class Rendezvous:
     """One exchange of addresses through the master, and (with ``keep_open``) the channel that stays between the
     ranks while their workers run.
@@ -259,12 +270,9 @@ class Rendezvous:
                     f"(last attempt: {last_error}): start rank 0 on the master's machine, check {variables}, "
                     f"{_raise_longer()}"
                 )
-            try:
-                remaining = 2.0 if deadline is None else max(0.05, min(2.0, deadline - time.monotonic()))
-                sock = socket.create_connection((master_host, port), timeout=remaining)
-            except OSError as exc:
-                last_error = exc.strerror or str(exc)
-                time.sleep(_RETRY_SECONDS)
+            sock = _attempt(master_host, port, deadline)
+            if isinstance(sock, str):
+                last_error = sock
                 continue
             lines = _Lines(sock)
             try:
