@@ -81,6 +81,17 @@ def test_arrays_shuffle_depends_on_seed_and_epoch_only():
     np.testing.assert_array_equal(np.concatenate([b[1] for b in batches(source, 0, skip=2)]), first[8:])
 
 
+def test_unshuffled_arrays_span_epochs_in_order_with_the_same_element_spec():
+    # Unshuffled arrays are batched as they are (no gather): every pass the same, a short last batch in each pass
+    # (not merged with the next), a skip counted from the first pass, the same element spec as the shuffled path.
+    x, y = arrays(10)
+    source = make(x, y)
+    got = batches(source, 1, 4, skip=2)
+    assert [len(b[0]) for b in got] == [2, 4, 4, 2, 4, 4, 2]
+    np.testing.assert_array_equal(np.concatenate([b[1] for b in got]), np.concatenate([y[8:], y, y]))
+    assert source.dataset().element_spec == make(x, y, shuffle=True).dataset().element_spec
+
+
 def test_arrays_with_steps_continue_and_keras_default_batch_size():
     x, y = arrays(10)
     source = make(x, y, batch_size=None, steps=4)
