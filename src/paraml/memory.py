@@ -55,6 +55,7 @@ from paraml.checks import check_int
 from paraml.planning.footprint import held_bytes, largest_owner_share
 from paraml.planning.observe import Observation, observation_notes, observe_units, unit_costs, variable_bytes
 from paraml.planning.optimizers import optimizer_slots_per_param, slot_bytes
+from paraml.planning.plan import Layout
 from paraml.planning.sizes import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -213,6 +214,7 @@ def estimate_memory(
     optimizer_shards: int = 1,
     zero_stage: int = 1,
     tensor_parallel: int = 1,
+    expert_parallel: int = 1,
     observation: Observation | None = None,
     loss: Any = None,
     targets: Any = None,
@@ -244,6 +246,9 @@ def estimate_memory(
             (:func:`paraml.parallelism.tensor_parallel.plan_splits`): the
             parameters, gradients and slots of the device holding most (the layers left whole and the largest part of
             each split one); the activations are counted whole.
+        expert_parallel: The experts of the model's mixture-of-experts layers split over this many devices as
+            ``model_parallel``'s ``expert_parallel`` splits them (:mod:`paraml.parallelism.experts`): the first
+            device's share, counted as for ``tensor_parallel`` (the two are 1, or equal).
         observation: :func:`paraml.planning.observe.observe_units` of ``model`` to reuse (measured with recompute
             when the estimate is); measured here when None (then ``loss`` and ``targets`` are used).
         loss: The loss the model trains with, as given to ``compile`` (a name, a ``keras.losses.Loss``, a function
@@ -281,20 +286,24 @@ def estimate_memory(
         raise ValueError(f"remat must be True or False, got {remat!r}")
     owned_parameters = zero_stage == 3 and optimizer_shards > 1
     remat = remat or owned_parameters  # ZeRO-3 reads each unit's weights again in its recomputed backward pass
-    if check_int("tensor_parallel", tensor_parallel) > 1:
+    shards = Layout(tensor=check_int("tensor_parallel", tensor_parallel), experts=expert_parallel).shards
+    if shards > 1:
         from paraml.parallelism.tensor_parallel import plan_splits
 
-        plan = plan_splits(model, tensor_parallel, sample)
+        plan = plan_splits(model, tensor_parallel, sample, expert_parallel)
         whole_gradients = gradients
-        parameters = held_bytes(model.weights, plan.axes, tensor_parallel)
-        gradients = held_bytes(trainable, plan.axes, tensor_parallel)
+        parameters = held_bytes(model.weights, plan.axes, shards)
+        gradients = held_bytes(trainable, plan.axes, shards)
         slots = round(slots * gradients / max(whole_gradients, 1))  # slots in proportion to their variable's bytes
+        split = "tensor-parallel" if tensor_parallel > 1 else "expert-parallel"
         notes.append(
-            f"parameters, gradients and slots of the first of {tensor_parallel} tensor-parallel devices (its whole "
+            f"parameters, gradients and slots of the first of {shards} {split} devices (its whole "
             "layers and the largest part of each split one); activations counted whole"
         )
-    if owned_parameters and tensor_parallel > 1:
-        raise ValueError("zero_stage=3 (shard_parameters) and tensor_parallel: choose one (no backend does both)")
+    if owned_parameters and shards > 1:
+        raise ValueError(
+            "zero_stage=3 (shard_parameters) and tensor_parallel or expert_parallel: choose one (no backend does both)"
+        )
     if observation is None:
         from paraml.parallelism.remat import recomputing  # TensorFlow: only now
 

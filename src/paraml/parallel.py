@@ -61,6 +61,8 @@ _NOT_HERE = {
     "every device a copy already)",
     "tensor_parallel": " (layers split over devices: only 'model_parallel', e.g. Parallel('model_parallel', "
     "devices=2, tensor_parallel=2))",
+    "expert_parallel": " (experts split over devices: only 'model_parallel', e.g. Parallel('model_parallel', "
+    "devices=2, expert_parallel=2))",
 }
 
 Verbose = int | str | bool

@@ -85,7 +85,9 @@ class ModelParallelBackend(StrategyBackend):
     TensorFlow tells; a unit or a stage larger than that is refused at build) and ``data_parallel`` (default 1: R
     copies of the pipeline, each on ``devices / R`` devices and its slice of the global batch, their gradients
     all-reduced) and ``tensor_parallel`` (default 1: each stage on T devices, its Dense, attention and Embedding
-    layers split over them, :mod:`paraml.parallelism.tensor_parallel`; devices = data_parallel x stages x T). In a
+    layers split over them, :mod:`paraml.parallelism.tensor_parallel`; devices = data_parallel x stages x T) and
+    ``expert_parallel`` (default 1: each mixture-of-experts layer's experts split over E devices, each holding and
+    computing its experts; a stage spans E devices, shared with its tensor shards when ``tensor_parallel=E``). In a
     cluster of several workers (``TF_CONFIG`` or a scheduler's variables) each worker runs one pipeline over its
     devices and the workers are its copies.
 
@@ -108,6 +110,7 @@ class ModelParallelBackend(StrategyBackend):
         "sample",
         "data_parallel",
         "tensor_parallel",
+        "expert_parallel",
     )
     capabilities = Capabilities(
         builds_on_first_batch=False,  # variables are placed at build, so the model must have them then
@@ -132,10 +135,13 @@ class ModelParallelBackend(StrategyBackend):
         memory = options.get("device_memory")
         self.data_parallel: int = check_int("data_parallel", options.get("data_parallel", 1))
         self.tensor_parallel: int = check_int("tensor_parallel", options.get("tensor_parallel", 1))
+        self.expert_parallel: int = check_int("expert_parallel", options.get("expert_parallel", 1))
+        #: Devices a stage spans (:attr:`Layout.shards`); a Layout checks the two degrees before any device is used.
+        self.shards: int = Layout(tensor=self.tensor_parallel, experts=self.expert_parallel).shards
         cluster = setup_tf_config()  # TF_CONFIG, else set from a scheduler's variables (paraml.cluster.detect)
         #: Whether this process is one worker of a cluster: its pipeline is data parallel with the other workers'.
         self.in_cluster: bool = cluster is not None and cluster.num_workers > 1
-        #: ``groups[r][s]``: the ``tensor_parallel`` devices of stage ``s`` of this worker's pipeline ``r``, and
+        #: ``groups[r][s]``: the :attr:`shards` devices of stage ``s`` of this worker's pipeline ``r``, and
         #: ``grid[r][s]`` the first of them, where the stage's whole layers live (set by ``make_strategy``).
         self.groups: tuple[tuple[tuple[str, ...], ...], ...] = ()
         self.grid: tuple[tuple[str, ...], ...] = ()
@@ -166,12 +172,17 @@ class ModelParallelBackend(StrategyBackend):
                 own_train_step_problem=f"micro_batches={self.micro_batches} pipelines parts of each batch, while a "
                 "model's own train_step takes the whole batch and applies its update itself; use micro_batches=1",
             )
-        if self.tensor_parallel > 1:
+        if self.shards > 1:
+            split = (
+                f"tensor_parallel={self.tensor_parallel}"
+                if self.tensor_parallel > 1
+                else f"expert_parallel={self.expert_parallel}"
+            )
             self.capabilities = replace(
                 self.capabilities,
-                own_train_step_problem=f"tensor_parallel={self.tensor_parallel} trains the parts of each split "
-                "weight, while a model's own train_step takes gradients with respect to model.trainable_variables, "
-                "which read them whole; use tensor_parallel=1",
+                own_train_step_problem=f"{split} trains the parts of each split weight, while a model's own "
+                "train_step takes gradients with respect to model.trainable_variables, which read them whole; use "
+                f"{split.split('=')[0]}=1",
             )
         #: The final model's units and the device each runs on (first pipeline), in pipeline order.
         self.placement: list[tuple[str, keras.layers.Layer, str]] = []
@@ -197,15 +208,18 @@ class ModelParallelBackend(StrategyBackend):
         return mirrored_strategy([pipeline[0] for pipeline in self.grid])
 
     def _arrange(self, devices: list[str]) -> None:
-        """Share ``devices`` (this worker's) as ``data_parallel`` pipelines of stages of ``tensor_parallel`` devices."""
-        mesh = DeviceMesh.arrange(devices, data=self.data_parallel, tensor=self.tensor_parallel)
+        """Share ``devices`` (this worker's) as ``data_parallel`` pipelines of stages of :attr:`shards` devices."""
+        mesh = DeviceMesh.arrange(devices, data=self.data_parallel, tensor=self.shards)
         self.groups, self.grid = mesh.devices, mesh.first_devices()
 
     def make_topology(self) -> Topology:
         """This worker's devices (every pipeline's); one data replica per pipeline, over all workers."""
         devices = tuple(d for pipeline in self.groups for group in pipeline for d in group)
         layout = Layout(
-            data=int(self.strategy.num_replicas_in_sync), stages=len(self.grid[0]), tensor=self.tensor_parallel
+            data=int(self.strategy.num_replicas_in_sync),
+            stages=len(self.grid[0]),
+            tensor=self.tensor_parallel,
+            experts=self.expert_parallel,
         )
         topology = Topology(devices, layout)
         return replace(topology, **workers(self.strategy)) if self.in_cluster else topology
@@ -272,7 +286,7 @@ class ModelParallelBackend(StrategyBackend):
             if self.in_cluster:
                 header += f" (one per worker; this is worker {t.worker_index} of {t.num_workers})"
         lines = [header]
-        if self.tensor_parallel > 1:
+        if self.shards > 1:
             lines += [
                 f"pipeline {r} stage {i}: {', '.join(group)}"
                 for r, pipeline in enumerate(self.groups)
@@ -284,9 +298,9 @@ class ModelParallelBackend(StrategyBackend):
         if plan is None or plan.partition is None:
             return "\n".join(lines)
         lines.append(plan.partition.describe([devices[self.schedule.device_of(s.index)] for s in plan.stages]))
-        if self.tensor_parallel > 1:
+        if self.shards > 1:
             lines.append(
-                f"(per device of a stage: a 1/{self.tensor_parallel} share of its split layers, its whole layers; "
+                f"(per device of a stage: a 1/{self.shards} share of its split layers, its whole layers; "
                 "activations counted whole)"
             )
         lines += [f"stage {s.index} units: {', '.join(s.layers)}" for s in plan.stages]

@@ -87,7 +87,7 @@ def place_model(
     slots = optimizer_slots_per_param(optimizer) if optimizer is not None else 0
     held = StageHolding.of(observation, b.schedule, b.batch_size, remat)
     costs = held.costs
-    tensor_plan = plan_splits(probe, b.tensor_parallel, b.sample) if b.tensor_parallel > 1 else None
+    tensor_plan = plan_splits(probe, b.tensor_parallel, b.sample, b.expert_parallel) if b.shards > 1 else None
     if tensor_plan is not None:  # a stage's device holds the largest part of each split variable (activations: whole)
         saved = {u.name: tensor_plan.saved_bytes(u.layer) for u in observation.units}
         costs = [replace(c, param_bytes=c.param_bytes - saved.get(c.name, 0)) for c in costs]
@@ -167,7 +167,7 @@ def _split_variable(
     start at zero: the first build's values are assigned next."""
     parts = []
     name = kwargs.get("name") or "variable"
-    for k, size in enumerate(part_sizes(shape[axis], b.tensor_parallel)):
+    for k, size in enumerate(part_sizes(shape[axis], b.shards)):
         part_shape = list(shape)
         part_shape[axis] = size
         dtype = kwargs.get("dtype") or "float32"
@@ -207,7 +207,7 @@ def _check_fits(b: Any, plan: PartitionPlan, costs: list[LayerCost], slots: int,
     )
     what = f"unit {name!r} needs {format_bytes(largest)} (parameters, gradients, optimizer slots and activations "
     what += f"for {batch})"
-    t = b.tensor_parallel
+    t = b.shards
     if memory is not None and largest > memory:
         if t > 1:
             raise ValueError(

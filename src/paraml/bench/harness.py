@@ -244,16 +244,19 @@ METRICS = ("step_ms", "step_cpu_ms", "fit_call_ms", "fit_call_cpu_ms")
 
 
 def _step_clock() -> Any:
-    """A Keras callback stamping wall and process CPU time at the end of a fit call's first batch and of its last."""
+    """A Keras callback stamping wall and process CPU time at the end of a fit call's first execution (its first
+    batch, or its first ``steps_per_execution`` batches) and of its last."""
     import keras
 
     class StepClock(keras.callbacks.Callback):
+        first: int | None = None  # the batch the first hook of the call ended (steps_per_execution - 1)
+
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             now = time.perf_counter(), time.process_time()
-            if batch == 0:
-                self.start, self.end, self.batches = now, now, 0
+            if self.first is None:
+                self.first, self.start, self.end, self.batches = batch, now, now, 0
             else:
-                self.end, self.batches = now, batch
+                self.end, self.batches = now, batch - self.first
 
     return StepClock()
 
@@ -320,16 +323,19 @@ class Workload:
         return _take(self.x, rows), _take(self.y, rows)
 
 
-def _label(backend: str, devices: int | None, micro_batches: int | None, xla: bool, tag: str) -> str:
-    label = f"{backend}@{devices or '?'}" + (f" mb={micro_batches}" if micro_batches else "") + (" xla" if xla else "")
+def _label(backend: str, devices: int | None, options: Mapping[str, Any], xla: bool, tag: str) -> str:
+    micro_batches, steps = options.get("micro_batches"), options.get("steps_per_execution")
+    label = f"{backend}@{devices or '?'}" + (f" mb={micro_batches}" if micro_batches else "")
+    label += (f" spe={steps}" if steps else "") + (" xla" if xla else "")
     return f"{tag} {label}" if tag else label
 
 
 @dataclass(frozen=True)
 class Spec:
     """One variant: ``Parallel(strategy, devices=devices, jit_compile=jit_compile, **options)``, or a baseline of
-    :data:`BASELINES` on ``devices`` devices. ``devices=None``: the strategy's default (``multi_worker``).
-    ``tag`` prefixes the label (e.g. the model's name when several models are timed together)."""
+    :data:`BASELINES` on ``devices`` devices (Keras' ``fit`` takes ``options`` as ``model.compile`` arguments, such as
+    ``steps_per_execution``). ``devices=None``: the strategy's default (``multi_worker``). ``tag`` prefixes the
+    label (e.g. the model's name when several models are timed together)."""
 
     strategy: str
     devices: int | None = 1
@@ -339,8 +345,8 @@ class Spec:
 
     @property
     def label(self) -> str:
-        """``[tag ]strategy@devices[ mb=M][ xla]``."""
-        return _label(self.strategy, self.devices, self.options.get("micro_batches"), self.jit_compile, self.tag)
+        """``[tag ]strategy@devices[ mb=M][ spe=S][ xla]``."""
+        return _label(self.strategy, self.devices, self.options, self.jit_compile, self.tag)
 
 
 @dataclass
@@ -415,7 +421,7 @@ def _keras_variant(spec: Spec, work: Workload) -> Variant:
     scope = _mirrored_strategy(spec.devices or 1).scope() if mirrored else contextlib.nullcontext()
     with scope:
         model = work.model_fn()
-        model.compile(**work.compile_args(), jit_compile=spec.jit_compile)
+        model.compile(**work.compile_args(), jit_compile=spec.jit_compile, **spec.options)
     first, window = _time_fit(model.fit, work)
     return Variant(spec, work, window, spec.devices if mirrored else 1, first, model, model.optimizer)
 
@@ -535,7 +541,7 @@ def _result(variant: Variant, series: Series) -> BenchResult:
     steps = work.steps_per_call
     variables = list(variant.model.weights) + list(variant.optimizer.variables)
     return BenchResult(
-        label=_label(spec.strategy, variant.devices, spec.options.get("micro_batches"), spec.jit_compile, spec.tag),
+        label=_label(spec.strategy, variant.devices, spec.options, spec.jit_compile, spec.tag),
         backend=spec.strategy,
         devices=variant.devices,
         micro_batches=spec.options.get("micro_batches"),
@@ -584,7 +590,8 @@ def measure(
     say = progress or (lambda message: None)
     variants = []
     for i, (spec, work) in enumerate(plan, start=1):
-        others = {key: value for key, value in spec.options.items() if key != "micro_batches"}  # not in the label
+        shown = ("micro_batches", "steps_per_execution")
+        others = {key: value for key, value in spec.options.items() if key not in shown}  # not in the label
         say(f"{i}/{len(plan)} build, trace and warm up {spec.label} {others or ''}".rstrip())
         try:
             variants.append(build_variant(spec, work))

@@ -7,10 +7,11 @@ returned, and ``describe()`` prints it. Nothing is worked out again from attribu
 
 It holds (the axes and names are those of Keras' ``DeviceMesh`` and torchtitan's parallel dimensions):
 
-- the **layout**, data replicas x pipeline stages x tensor shards over all workers (:class:`Layout`), and the
+- the **layout**, data replicas x pipeline stages x tensor shards (which also share the experts of a
+  mixture-of-experts layer) over all workers (:class:`Layout`), and the
   **mesh**, this worker's devices on those named axes (:class:`DeviceMesh`);
 - the **stages**: which layers run on which stage (:class:`paraml.planning.partition.PartitionPlan`, with each
-  stage's bytes), and the **splits**: which layers are split over a stage's tensor shards, and how (a
+  stage's bytes), and the **splits**: which layers are split over a stage's shards, and how (a
   ``paraml.parallelism.tensor_parallel.TensorPlan``);
 - the **schedule** of the micro-batches through the stages (:class:`paraml.planning.schedules.Schedule`);
 - what is **recomputed** (``remat``) and what is **sharded** (optimizer state, ZeRO-1).
@@ -33,37 +34,52 @@ __all__ = ["ZERO_OPTIONS", "DeviceMesh", "Layout", "ParallelPlan", "zero_option"
 
 @dataclass(frozen=True)
 class Layout:
-    """How the devices share one global batch: ``data`` replicas x ``stages`` pipeline stages x ``tensor`` shards.
+    """How the devices share one global batch: ``data`` replicas x ``stages`` pipeline stages x ``tensor`` shards,
+    and ``experts``: the devices a stage's mixture-of-experts layers share their experts over.
 
     ``data`` counts the copies of the model over all workers, each computing its slice of the global batch; a copy
-    spans ``stages * tensor`` devices.
+    spans ``stages * shards`` devices. Experts are split over the devices of a stage's shards (Megatron-core's
+    folding of expert parallelism onto the tensor-parallel devices), so ``experts`` is 1, or ``tensor`` is 1 or
+    equal to it.
 
     >>> Layout(data=2, stages=2)
-    Layout(data=2, stages=2, tensor=1)
-    >>> str(Layout(data=4))
-    '4 data replicas x 1 stage x 1 tensor shard'
+    Layout(data=2, stages=2, tensor=1, experts=1)
+    >>> str(Layout(data=4)), str(Layout(experts=2))
+    ('4 data replicas x 1 stage x 1 tensor shard', '1 data replica x 1 stage x 2 expert shards')
     """
 
     data: int = 1
     stages: int = 1
     tensor: int = 1
+    experts: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("data", "stages", "tensor"):
+        for name in ("data", "stages", "tensor", "experts"):
             check_int(f"Layout.{name}", getattr(self, name))
+        if self.tensor > 1 and self.experts > 1 and self.tensor != self.experts:
+            raise ValueError(
+                f"expert_parallel={self.experts} with tensor_parallel={self.tensor}: the experts are split over the "
+                "devices of a stage's tensor shards, so the two must be equal (or one of them 1)"
+            )
+
+    @property
+    def shards(self) -> int:
+        """Devices one stage spans: its tensor shards, which also share its experts."""
+        return max(self.tensor, self.experts)
 
     @property
     def devices_per_replica(self) -> int:
         """Devices one copy of the model spans."""
-        return self.stages * self.tensor
+        return self.stages * self.shards
 
     def __str__(self) -> str:
         def plural(n: int, word: str) -> str:
             return f"{n} {word}" + ("" if n == 1 else "s")
 
-        return " x ".join(
-            (plural(self.data, "data replica"), plural(self.stages, "stage"), plural(self.tensor, "tensor shard"))
-        )
+        shards = plural(self.tensor, "tensor shard") if self.tensor > 1 or self.experts == 1 else ""
+        if self.experts > 1:
+            shards = f"{shards} (which share the experts)" if shards else plural(self.experts, "expert shard")
+        return " x ".join((plural(self.data, "data replica"), plural(self.stages, "stage"), shards))
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from paraml.parallelism.experts import bank_of_parts
 from paraml.parallelism.tensor_parallel.splits import TensorPlan, _attention_projections, _leaf_layers
 from paraml.parallelism.tensor_parallel.weights import SplitWeights
 
@@ -85,6 +86,8 @@ class SplitLayers:
                 self._rows(layer)
             elif kind == "vocab":
                 self._vocab(layer, isinstance(layer, keras.layers.Embedding) and hasattr(layer, "tie_weights"))
+            elif kind == "experts":
+                self._experts(layer)
 
     def _split(self, x: Any, sizes: list[int], axis: int) -> list[Any]:
         import tensorflow as tf
@@ -221,6 +224,26 @@ class SplitLayers:
             return dense.activation(y) if dense.activation is not None else y
 
         dense.call = call
+
+    def _experts(self, bank: Any) -> None:
+        """An expert bank (:mod:`paraml.parallelism.experts`): each device computes its experts, on every token,
+        with a bank of the same class over its parts; the outputs are joined on the experts axis."""
+        parts = [self.weights.parts(v) for v in bank.weights]
+        banks = [
+            bank_of_parts(bank, [kernel[k].value for kernel in parts], f"{bank.name}_part{k}")
+            for k in range(len(parts[0]))
+        ]
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            import tensorflow as tf
+
+            pieces = []
+            for k, device in enumerate(self.devices(bank)):
+                with tf.device(device):
+                    pieces.append(banks[k](*args, **kwargs))
+            return _joined(pieces, axis=0)
+
+        bank.call = call
 
     def _vocab(self, layer: Any, reversible: bool) -> None:
         import keras

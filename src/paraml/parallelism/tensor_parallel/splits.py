@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paraml.internals import attention_projections, direct_sublayers, flatten_layers, own_trainable_variables
+from paraml.parallelism.experts import check_experts, expert_banks
 
 __all__ = ["ATTENTION_CLASSES", "KINDS", "LayerSplit", "TensorPlan", "plan_splits"]
 
@@ -20,6 +21,7 @@ KINDS = {
     "rows": "input rows (partial products added once)",
     "heads": "attention heads (partial outputs added once)",
     "vocab": "vocabulary rows (lookups added once)",
+    "experts": "experts (each device holds and computes its experts; their outputs joined)",
 }
 
 
@@ -41,7 +43,7 @@ class TensorPlan:
     """Which layers of a model are split over ``tensor`` devices, and how (:func:`plan_splits`).
 
     Attributes:
-        tensor: Devices each split layer spans.
+        tensor: Devices each split layer spans (a stage's shards: tensor_parallel, or expert_parallel).
         splits: The split layers, in the model's layer order.
         axes: ``id(variable)`` of each split variable (of the model planned) -> the axis it is split on.
         kinds: ``id(layer)`` of each split layer -> its kind.
@@ -49,6 +51,8 @@ class TensorPlan:
     """
 
     tensor: int
+    experts: int = 1
+    """``expert_parallel``: devices each expert bank's experts are split over (1: none split)."""
     splits: list[LayerSplit] = field(default_factory=list)
     axes: dict[int, int] = field(default_factory=dict)
     kinds: dict[int, str] = field(default_factory=dict)
@@ -65,7 +69,7 @@ class TensorPlan:
         """This plan (made for model ``source``) for ``target``, a second build of the same model: layers and
         variables matched by position, named as ``target`` names them."""
         pairs = list(zip(_leaf_layers(source), _leaf_layers(target)))
-        moved = TensorPlan(self.tensor, whole=list(self.whole))
+        moved = TensorPlan(self.tensor, self.experts, whole=list(self.whole))
         path = {_path(source, s): _path(target, t) for s, t in pairs}
         moved.splits = [LayerSplit(path.get(s.layer, s.layer), s.kind, s.shapes) for s in self.splits]
         for s, t in pairs:
@@ -77,7 +81,10 @@ class TensorPlan:
         return moved
 
     def describe(self) -> str:
-        lines = [f"tensor_parallel={self.tensor}: {len(self.splits)} layer(s) split"]
+        degree = f"expert_parallel={self.experts}" if self.experts > 1 else f"tensor_parallel={self.tensor}"
+        if 1 < self.experts == self.tensor and any(s.kind != "experts" for s in self.splits):
+            degree = f"tensor_parallel={self.tensor}, expert_parallel={self.experts}"
+        lines = [f"{degree}: {len(self.splits)} layer(s) split"]
         lines += [f"  {s}" for s in self.splits]
         lines += [f"  whole: {w}" for w in self.whole]
         return "\n".join(lines)
@@ -209,8 +216,10 @@ def _dense_edges(model: Any, dense: list[Any], sample: Any) -> list[tuple[int, i
     return edges
 
 
-def plan_splits(model: Any, tensor: int, sample: Any = None) -> TensorPlan:
-    """Decide which layers of ``model`` (built) are split over ``tensor`` devices and how (see the module's notes).
+def plan_splits(model: Any, tensor: int, sample: Any = None, experts: int = 1) -> TensorPlan:
+    """Decide which layers of ``model`` (built) are split over ``tensor`` devices and how (see the module's notes),
+    and, with ``experts`` > 1, which expert banks are split by experts (:mod:`paraml.parallelism.experts`; with
+    ``tensor`` 1 nothing else is split, else ``experts`` equals ``tensor``).
 
     A ``MultiHeadAttention`` with at least ``tensor`` heads is split by heads; an ``Embedding`` with at least
     ``tensor`` rows by vocabulary; ``Dense`` layers by columns, except one whose input is a columns-split ``Dense``'s
@@ -232,10 +241,20 @@ def plan_splits(model: Any, tensor: int, sample: Any = None) -> TensorPlan:
     from paraml.checks import check_int
 
     check_int("tensor_parallel", tensor)
-    plan = TensorPlan(tensor)
+    check_int("expert_parallel", experts)
+    shards = max(tensor, experts)
+    plan = TensorPlan(shards, experts)
     layers = _leaf_layers(model)
     claimed: set[int] = set()
     chosen: dict[int, tuple[str, list[tuple[Any, int]]]] = {}  # id(layer) -> (kind, [(variable, axis)])
+    if experts > 1:
+        banks = expert_banks(layers)
+        check_experts(banks, experts, model.name)
+        for bank in banks:
+            chosen[id(bank)] = ("experts", [(v, 0) for v in bank.weights])
+            claimed.add(id(bank))
+    if tensor == 1:  # expert parallelism alone: the other layers stay whole, as they are
+        layers = [layer for layer in layers if id(layer) in claimed]
 
     for layer in layers:
         if _is_attention(layer):
