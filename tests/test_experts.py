@@ -129,6 +129,31 @@ def test_copies_of_expert_parallel_layers_train_as_keras_fit_under_the_same_stra
     assert_trains_as(par, name, replicas=2)
 
 
+@pytest.mark.slow
+def test_experts_sharing_the_tensor_parallel_devices_train_as_keras_fit():
+    # Megatron-core's folding: the experts split over the same 2 devices as the layers tensor_parallel splits
+    par = expert_parallel("mixtral", devices=2, expert_parallel=2, tensor_parallel=2)
+    kinds = {s.kind for s in par.plan.splits.splits}
+    assert {"experts", "columns", "vocab"} <= kinds
+    assert "tensor_parallel=2, expert_parallel=2" in par.describe()
+    assert str(par.backend.topology.layout) == "1 data replica x 1 stage x 2 tensor shards (which share the experts)"
+    assert_trains_as(par, "mixtral")
+
+
+@pytest.mark.slow
+def test_two_stages_each_splitting_its_experts_train_as_keras_fit():
+    par = expert_parallel("qwen3_moe", devices=4, expert_parallel=2)
+    layout = par.backend.topology.layout
+    assert (layout.stages, layout.experts) == (2, 2)
+    groups = {  # the devices each bank's parts live on: its stage's two
+        tuple(p.device.split("device:")[-1] for p in bank.weights[0].value.parts)
+        for bank in par.model._flatten_layers()
+        if "experts" in bank.name and hasattr(bank, "num_experts") and bank.weights
+    }
+    assert groups == {("CPU:0", "CPU:1"), ("CPU:2", "CPU:3")}
+    assert_trains_as(par, "qwen3_moe")
+
+
 def test_each_device_holds_its_share_of_the_experts_and_their_optimizer_state():
     par = expert_parallel("mixtral", devices=2, expert_parallel=2)
     x, y = token_data()
@@ -193,8 +218,13 @@ def test_a_checkpoint_written_under_expert_parallel_continues_under_single(tmp_p
     [
         (mixtral, {"devices": 3, "expert_parallel": 3}, r"expert_parallel=3 does not divide the 4 experts .* \[2, 4\]"),
         (small_mlp, {"devices": 2, "expert_parallel": 2}, r"expert_parallel=2, but model .* no mixture-of-experts"),
+        (
+            mixtral,
+            {"devices": 2, "expert_parallel": 2, "device_memory": "10KB"},
+            r"needs .* its experts split over them \(expert_parallel=2\).* use a larger expert_parallel",
+        ),
     ],
-    ids=["experts not divided", "no experts"],
+    ids=["experts not divided", "no experts", "too large"],
 )
 def test_bad_expert_parallel_fails_at_build_naming_the_value(model_fn, options, message):
     with pytest.raises(ValueError, match=message):

@@ -210,10 +210,11 @@ def _check_fits(b: Any, plan: PartitionPlan, costs: list[LayerCost], slots: int,
     t = b.shards
     if memory is not None and largest > memory:
         if t > 1:
+            split = "tensor_parallel" if b.tensor_parallel > 1 else "expert_parallel"
+            layers = "Dense, attention and Embedding layers" if b.tensor_parallel > 1 else "experts"
             raise ValueError(
-                f"{what} on each of its stage's {t} devices with its Dense, attention and Embedding layers "
-                f"split over them (tensor_parallel={t}), more than a device's {format_bytes(memory)}: use a larger "
-                "tensor_parallel or devices with more memory"
+                f"{what} on each of its stage's {t} devices with its {layers} split over them ({split}={t}), more "
+                f"than a device's {format_bytes(memory)}: use a larger {split} or devices with more memory"
             )
         raise ValueError(
             f"{what}, more than a device's {format_bytes(memory)}: model_parallel places each unit (a layer) on "
