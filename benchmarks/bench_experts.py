@@ -6,9 +6,10 @@ experts of intermediate ``--intermediate``, top-2, sequence ``--sequence``), tra
 One configuration per fresh process (``--one``): a device's measured peak is the variables and optimizer state living
 on it plus the most bytes of buffers its ops held at once in one step
 (:func:`paraml.bench.memory_trace.device_memory_peaks`, replayed from the allocator's events; on CPU the allocator
-records buffers of 256 KiB or more only), its state bytes from where the variables live. The step time is the
-median of ``--steps`` steps after the traced one, per process (the two configurations are not interleaved: read it
-as a rough figure; logical CPUs share the cores, so the second device's experts compete with the first's work).
+records buffers of 256 KiB or more only), its state bytes from where the variables live. The time is the median of
+``--steps`` one-batch ``fit`` calls after the traced one (a step and a call's fixed cost), per process (the two
+configurations are not interleaved: read it as a rough figure; logical CPUs share the cores, so the second device's
+experts compete with the first's work).
 
     .venv/bin/python benchmarks/bench_experts.py [--layers 2] [--hidden 256] [--intermediate 1024] [--experts 8]
 """
@@ -74,7 +75,7 @@ def one(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "devices": {p.device: {"state": p.state_bytes, "buffers": p.buffer_peak_bytes} for p in memory.devices},
         "unattributed": memory.unattributed_bytes,
         "process_peak": memory.process_peak_bytes,
-        "step_ms": sorted(times)[len(times) // 2] * 1000,
+        "fit_call_ms": sorted(times)[len(times) // 2] * 1000,
         "parameters": sum(int(np.prod(v.shape)) * 4 for v in par.model.weights),
     }
 
@@ -87,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--sequence", type=int, default=32)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=5, help="timed one-step fit calls after the measured step")
+    parser.add_argument("--steps", type=int, default=5, help="timed one-batch fit calls after the measured step")
     parser.add_argument("--one", choices=sorted(CONFIGURATIONS), help=argparse.SUPPRESS)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     return parser.parse_args(argv)
@@ -112,13 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     model = f"Mixtral {args.layers}x{args.hidden}, {args.experts} experts of {args.intermediate}"
     print(f"{model}, Adam, batch {args.batch} x {args.sequence} tokens")
     print(f"parameters {results[0]['parameters'] / MIB:.1f} MiB")
-    print(f"{'configuration':20} {'device':16} {'state MiB':>10} {'buffers MiB':>12} {'peak MiB':>9} {'step ms':>8}")
+    print(f"{'configuration':20} {'device':16} {'state MiB':>10} {'buffers MiB':>12} {'peak MiB':>9} {'call ms':>8}")
     for r in results:
         for device, d in r["devices"].items():
             peak = (d["state"] + d["buffers"]) / MIB
             print(
                 f"{r['configuration']:20} {device:16} {d['state'] / MIB:10.1f} {d['buffers'] / MIB:12.1f} "
-                f"{peak:9.1f} {r['step_ms']:8.1f}"
+                f"{peak:9.1f} {r['fit_call_ms']:8.1f}"
             )
         print(f"{'':20} {'unattributed':16} {'':>10} {'':>12} {r['unattributed'] / MIB:9.1f}")
     if args.json:

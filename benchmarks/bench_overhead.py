@@ -53,7 +53,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-xla", action="store_true", help="leave out the jit_compile=True rows")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every round's whole-call ms/step")
     parser.add_argument("--json", metavar="PATH", help="also write the JSON record to PATH")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.steps_per_execution and args.steps_per_execution >= args.steps:
+        parser.error(
+            f"--steps-per-execution {args.steps_per_execution} must be below --steps {args.steps}: a window times "
+            "the executions after its first"
+        )
+    return args
 
 
 GPT2 = {"vocabulary_size": 1000, "num_layers": 2, "num_heads": 4, "hidden_dim": 128, "intermediate_dim": 512}

@@ -236,6 +236,7 @@ def test_bad_expert_parallel_fails_at_build_naming_the_value(model_fn, options, 
     [
         ("model_parallel", {"devices": 4, "tensor_parallel": 2, "expert_parallel": 4}, r"must be equal"),
         ("model_parallel", {"devices": 2, "expert_parallel": 0}, r"expert_parallel"),
+        ("model_parallel", {"devices": 3, "expert_parallel": 2}, r"devices=3 is not .* expert_parallel=2"),
         ("mirrored", {"expert_parallel": 2}, r"expert_parallel.*only 'model_parallel'"),
     ],
 )

@@ -286,7 +286,8 @@ def estimate_memory(
         raise ValueError(f"remat must be True or False, got {remat!r}")
     owned_parameters = zero_stage == 3 and optimizer_shards > 1
     remat = remat or owned_parameters  # ZeRO-3 reads each unit's weights again in its recomputed backward pass
-    shards = Layout(tensor=check_int("tensor_parallel", tensor_parallel), experts=expert_parallel).shards
+    tensor_parallel = check_int("tensor_parallel", tensor_parallel)
+    shards = Layout(tensor=tensor_parallel, experts=check_int("expert_parallel", expert_parallel)).shards
     if shards > 1:
         from paraml.parallelism.tensor_parallel import plan_splits
 

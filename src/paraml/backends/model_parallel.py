@@ -173,16 +173,13 @@ class ModelParallelBackend(StrategyBackend):
                 "model's own train_step takes the whole batch and applies its update itself; use micro_batches=1",
             )
         if self.shards > 1:
-            split = (
-                f"tensor_parallel={self.tensor_parallel}"
-                if self.tensor_parallel > 1
-                else f"expert_parallel={self.expert_parallel}"
-            )
+            set_ = {"tensor_parallel": self.tensor_parallel, "expert_parallel": self.expert_parallel}
+            given = [name for name, degree in set_.items() if degree > 1]
             self.capabilities = replace(
                 self.capabilities,
-                own_train_step_problem=f"{split} trains the parts of each split weight, while a model's own "
-                "train_step takes gradients with respect to model.trainable_variables, which read them whole; use "
-                f"{split.split('=')[0]}=1",
+                own_train_step_problem=f"{', '.join(f'{n}={set_[n]}' for n in given)} trains the parts of each "
+                "split weight, while a model's own train_step takes gradients with respect to "
+                f"model.trainable_variables, which read them whole; use {' and '.join(f'{n}=1' for n in given)}",
             )
         #: The final model's units and the device each runs on (first pipeline), in pipeline order.
         self.placement: list[tuple[str, keras.layers.Layer, str]] = []
@@ -209,7 +206,8 @@ class ModelParallelBackend(StrategyBackend):
 
     def _arrange(self, devices: list[str]) -> None:
         """Share ``devices`` (this worker's) as ``data_parallel`` pipelines of stages of :attr:`shards` devices."""
-        mesh = DeviceMesh.arrange(devices, data=self.data_parallel, tensor=self.shards)
+        option = "tensor_parallel" if self.tensor_parallel > 1 or self.expert_parallel == 1 else "expert_parallel"
+        mesh = DeviceMesh.arrange(devices, data=self.data_parallel, tensor=self.shards, option=option)
         self.groups, self.grid = mesh.devices, mesh.first_devices()
 
     def make_topology(self) -> Topology:

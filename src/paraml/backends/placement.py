@@ -212,6 +212,7 @@ def _check_fits(b: Any, plan: PartitionPlan, costs: list[LayerCost], slots: int,
         if t > 1:
             split = "tensor_parallel" if b.tensor_parallel > 1 else "expert_parallel"
             layers = "Dense, attention and Embedding layers" if b.tensor_parallel > 1 else "experts"
+            layers += " (and its experts)" if b.tensor_parallel > 1 and b.expert_parallel > 1 else ""
             raise ValueError(
                 f"{what} on each of its stage's {t} devices with its {layers} split over them ({split}={t}), more "
                 f"than a device's {format_bytes(memory)}: use a larger {split} or devices with more memory"
@@ -219,7 +220,8 @@ def _check_fits(b: Any, plan: PartitionPlan, costs: list[LayerCost], slots: int,
         raise ValueError(
             f"{what}, more than a device's {format_bytes(memory)}: model_parallel places each unit (a layer) on "
             "one stage's devices. Split its Dense, attention and Embedding layers over several devices with "
-            "tensor_parallel=2 (or more), or use devices with more memory"
+            "tensor_parallel=2 (or more), a mixture-of-experts model's experts with expert_parallel=2, or use "
+            "devices with more memory"
         )
     if memory is not None and max(per_device) > memory:
         what = "the largest stage" if len(plan.stages) == len(devices) else "the device with the most model chunks"

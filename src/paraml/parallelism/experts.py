@@ -11,8 +11,9 @@ split on its experts axis (each device holds ``num_experts / E`` experts, and th
 bank's ``call`` runs each device's experts there: the tokens go to every device of the stage, each computes its
 experts' outputs with the bank's own code (a bank of the same class over the device's parts of the kernels,
 :func:`bank_of_parts`), and the outputs come back joined on the experts axis. The router, the routing weights, the
-weighted sum and the auxiliary loss stay the block's own, on the stage's device: the numbers are the unsplit
-model's, and what keras_hub changes in routing reaches paraml unchanged.
+weighted sum and the auxiliary loss stay the block's own, on the stage's device (with ``tensor_parallel`` also set,
+the router is a ``Dense`` split as any other): the numbers are the unsplit model's, and what keras_hub changes in
+routing reaches paraml unchanged.
 
 Which layers are expert banks (:func:`is_expert_bank`, :data:`EXPERT_BANKS`) and how one computes on its parts
 live here; :mod:`paraml.parallelism.tensor_parallel` places the parts and saves them whole, as it does every split

@@ -100,17 +100,20 @@ class DeviceMesh:
     axis_names: ClassVar[tuple[str, str, str]] = ("data", "stage", "tensor")
 
     @classmethod
-    def arrange(cls, devices: Sequence[str], data: int = 1, tensor: int = 1) -> DeviceMesh:
+    def arrange(
+        cls, devices: Sequence[str], data: int = 1, tensor: int = 1, option: str = "tensor_parallel"
+    ) -> DeviceMesh:
         """``devices`` in order as ``data`` copies of a pipeline whose stages each span ``tensor`` devices; the
-        number of stages is what is left (devices = data x stages x tensor)."""
+        number of stages is what is left (devices = data x stages x tensor). ``option`` is what the user set
+        ``tensor`` with (``"tensor_parallel"`` or ``"expert_parallel"``), named in the error."""
         product = data * tensor
         if not devices or len(devices) % product:
-            times = f" x tensor_parallel={tensor} = {product}" if tensor > 1 else ""
+            times = f" x {option}={tensor} = {product}" if tensor > 1 else ""
             raise ValueError(
                 f"devices={len(devices)} is not a multiple of data_parallel={data}{times}: each copy of the "
-                "pipeline takes the same number of devices (devices = data_parallel x stages x tensor_parallel); "
+                f"pipeline takes the same number of devices (devices = data_parallel x stages x {option}); "
                 f"use {len(devices) - len(devices) % product or product} devices, or another data_parallel or "
-                "tensor_parallel"
+                f"{option}"
             )
         stages = len(devices) // product
         groups = [tuple(devices[i : i + tensor]) for i in range(0, len(devices), tensor)]

@@ -12,6 +12,7 @@ from typing import Any
 
 from paraml.internals import attention_projections, direct_sublayers, flatten_layers, own_trainable_variables
 from paraml.parallelism.experts import check_experts, expert_banks
+from paraml.planning.plan import Layout
 
 __all__ = ["ATTENTION_CLASSES", "KINDS", "LayerSplit", "TensorPlan", "plan_splits"]
 
@@ -53,6 +54,8 @@ class TensorPlan:
     tensor: int
     experts: int = 1
     """``expert_parallel``: devices each expert bank's experts are split over (1: none split)."""
+    tensor_parallel: int | None = None
+    """The ``tensor_parallel`` the plan was made for (None: ``tensor``)."""
     splits: list[LayerSplit] = field(default_factory=list)
     axes: dict[int, int] = field(default_factory=dict)
     kinds: dict[int, str] = field(default_factory=dict)
@@ -69,7 +72,7 @@ class TensorPlan:
         """This plan (made for model ``source``) for ``target``, a second build of the same model: layers and
         variables matched by position, named as ``target`` names them."""
         pairs = list(zip(_leaf_layers(source), _leaf_layers(target)))
-        moved = TensorPlan(self.tensor, self.experts, whole=list(self.whole))
+        moved = TensorPlan(self.tensor, self.experts, self.tensor_parallel, whole=list(self.whole))
         path = {_path(source, s): _path(target, t) for s, t in pairs}
         moved.splits = [LayerSplit(path.get(s.layer, s.layer), s.kind, s.shapes) for s in self.splits]
         for s, t in pairs:
@@ -81,9 +84,9 @@ class TensorPlan:
         return moved
 
     def describe(self) -> str:
-        degree = f"expert_parallel={self.experts}" if self.experts > 1 else f"tensor_parallel={self.tensor}"
-        if 1 < self.experts == self.tensor and any(s.kind != "experts" for s in self.splits):
-            degree = f"tensor_parallel={self.tensor}, expert_parallel={self.experts}"
+        tensor = self.tensor if self.tensor_parallel is None else self.tensor_parallel
+        degrees = [f"tensor_parallel={tensor}"] if tensor > 1 or self.experts == 1 else []
+        degree = ", ".join(degrees + ([f"expert_parallel={self.experts}"] if self.experts > 1 else []))
         lines = [f"{degree}: {len(self.splits)} layer(s) split"]
         lines += [f"  {s}" for s in self.splits]
         lines += [f"  whole: {w}" for w in self.whole]
@@ -240,10 +243,9 @@ def plan_splits(model: Any, tensor: int, sample: Any = None, experts: int = 1) -
 
     from paraml.checks import check_int
 
-    check_int("tensor_parallel", tensor)
-    check_int("expert_parallel", experts)
-    shards = max(tensor, experts)
-    plan = TensorPlan(shards, experts)
+    # the two degrees checked as a stage's layout checks them: each 1, or equal
+    shards = Layout(tensor=check_int("tensor_parallel", tensor), experts=check_int("expert_parallel", experts)).shards
+    plan = TensorPlan(shards, experts, tensor_parallel=tensor)
     layers = _leaf_layers(model)
     claimed: set[int] = set()
     chosen: dict[int, tuple[str, list[tuple[Any, int]]]] = {}  # id(layer) -> (kind, [(variable, axis)])
