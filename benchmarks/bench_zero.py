@@ -17,6 +17,9 @@ when the machine has 4, else logical CPUs). Each variant:
   reads each parameter from its owner in the forward pass and again when its unit is recomputed (2(N-1)/N) and sends
   the gradients by all-to-all ((N-1)/N): 1.5 times an all-reduce, as DeepSpeed states for its ZeRO-3.
 
+The two ``one bucket`` variants set ``bucket_bytes`` as large as everything: their collectives move at once, as
+before buckets (:mod:`paraml.parallelism.buckets`), for the step time side by side with the default buckets.
+
 ``--workers 2``: ``paraml launch -n 2`` of this file once per variant (unsharded, ``shard_optimizer``,
 ``shard_gradients``, ``shard_parameters``); each worker process (one allocator each) reports what is allocated after
 build, the peak of a first epoch (the process's peak: build, tracing, steps) and the median of the next epoch's
@@ -45,6 +48,9 @@ VARIANTS = {
     "shard_optimizer+remat": {"shard_optimizer": True, "remat": True},
     "shard_gradients": {"shard_gradients": True},
     "shard_parameters": {"shard_parameters": True},
+    # one bucket as large as everything: the collectives all at once, as before buckets (step time side by side)
+    "shard_optimizer, one bucket": {"shard_optimizer": True, "bucket_bytes": 2**40},
+    "shard_gradients, one bucket": {"shard_gradients": True, "bucket_bytes": 2**40},
 }
 
 
@@ -70,7 +76,7 @@ def sent_per_step(variant: str, gradient_bytes: int, devices: int) -> int:
         "shard_optimizer": 3,  # a ring all-reduce of the gradients, a broadcast of the updated values
         "shard_optimizer+remat": 3,
     }
-    return round(sent.get(variant, 2) * share * gradient_bytes)  # unsharded: a ring all-reduce
+    return round(sent.get(variant.split(",")[0], 2) * share * gradient_bytes)  # unsharded: a ring all-reduce
 
 
 def peak_run(variant: str) -> None:

@@ -218,11 +218,11 @@ def test_shard_gradients_across_two_workers_trains_as_mirrored_and_restores_unde
 
 
 @pytest.mark.slow
-def test_shard_parameters_peaks_lower_than_shard_optimizer_by_more_than_the_parameters():
+def test_shard_parameters_peaks_lower_than_unsharded_by_more_than_the_parameters():
     """The allocator's peak of one fresh process per variant (benchmarks/bench_zero.py: 12 Dense layers of 1024, Adam,
-    4 logical devices sharing one allocator): ZeRO-3's at least the parameter bytes below ZeRO-1's. On a quiet
-    machine it is 2.5-2.9 times; beside the rest of the suite it was once 1.18 times (the executor's order of the
-    gradients' rounds moves the peak), so the test asks for 1."""
+    4 logical devices sharing one allocator): ZeRO-3's at least 1.3 times the parameter bytes below unsharded's (the
+    bound issue 45 sets per worker). (Against ZeRO-1's it no longer is: ZeRO-1's buckets brought its peak to ZeRO-3's
+    on this model, 418 MB and 435 MB in one run.)"""
     from paraml.bench.harness import marked_results
 
     bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_zero.py"
@@ -232,9 +232,9 @@ def test_shard_parameters_peaks_lower_than_shard_optimizer_by_more_than_the_para
         assert done.code == 0, done.stdout[-3000:] + done.stderr[-3000:]
         return marked_results(done.stdout, "bench_zero worker: ")[0]
 
-    zero1, zero3 = peak("shard_optimizer"), peak("shard_parameters")  # one after the other
+    plain, zero3 = peak("unsharded"), peak("shard_parameters")  # one after the other
     parameters = 12 * (1024 * 1024 + 1024) * 4
-    assert (zero1["peak"] - zero3["peak"]) / parameters >= 1.0, (zero1["peak"], zero3["peak"])
+    assert (plain["peak"] - zero3["peak"]) / parameters >= 1.3, (plain["peak"], zero3["peak"])
     held = [b["parameters"] for b in zero3["by_device"].values()]
     assert sum(held) == parameters and max(held) <= parameters / 4 + (1024 * 1024 + 1024) * 4
 

@@ -26,6 +26,7 @@ import keras
 import tensorflow as tf
 
 from paraml.parallelism.apply import apply_plan
+from paraml.parallelism.buckets import plan_bucket_bytes
 from paraml.planning.plan import DeviceMesh, Layout, ParallelPlan
 
 __all__ = ["Accumulator", "Backend", "Capabilities", "DeviceSpec", "Layout", "Objective", "Techniques", "Topology"]
@@ -209,6 +210,9 @@ class Backend(abc.ABC):
             # ZeRO-3 reads each variable again in its unit's backward pass, recomputing it (module zero)
             remat=remat or self.capabilities.zero_stage == 3,
             zero_stage=self.capabilities.zero_stage,
+            bucket_bytes=plan_bucket_bytes(
+                model.trainable_variables, self.capabilities.zero_stage, self.options.get("bucket_bytes")
+            ),
         )
         self.apply_plan(model, plan)
         return model

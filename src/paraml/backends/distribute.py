@@ -22,6 +22,7 @@ from paraml.cluster.config import connect_timeout, global_worker_index, wait_for
 from paraml.cluster.detect import setup_tf_config
 from paraml.devices import canonical_device, resolve_devices
 from paraml.internals import shift_collective_keys
+from paraml.parallelism.buckets import check_bucket_bytes
 from paraml.parallelism.zero import ShardedSlots, owned_variables
 from paraml.planning.plan import zero_stage
 
@@ -42,6 +43,7 @@ class StrategyBackend(Backend):
 
     def __init__(self, devices: DeviceSpec = None, **options: Any) -> None:
         stage = zero_stage(options)
+        check_bucket_bytes(options.get("bucket_bytes"), stage)
         super().__init__(devices, **options)
         if stage:  # options only the data-parallel backends that copy the state per replica name
             self.capabilities = dataclasses.replace(self.capabilities, zero_stage=stage)
@@ -77,6 +79,12 @@ class StrategyBackend(Backend):
 
     def distribute(self, dataset: tf.data.Dataset) -> Iterable[Any]:
         return self.strategy.experimental_distribute_dataset(dataset)
+
+    def describe(self) -> str:
+        plan = getattr(self, "plan", None)
+        if plan is None or not plan.zero_stage:
+            return super().describe()
+        return "\n".join([super().describe(), *plan.describe().splitlines()[1:]])  # ZeRO, its buckets, remat
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any]) -> Any:
         return self.strategy.run(fn, args=tuple(args))
@@ -137,7 +145,7 @@ class MirroredBackend(StrategyBackend):
     2
     """
 
-    option_names = ("shard_optimizer", "shard_gradients", "shard_parameters")
+    option_names = ("shard_optimizer", "shard_gradients", "shard_parameters", "bucket_bytes")
 
     def make_strategy(self, devices: DeviceSpec) -> tf.distribute.Strategy:
         return mirrored_strategy(resolve_devices(devices))
@@ -265,7 +273,14 @@ class MultiWorkerBackend(StrategyBackend):
             par.model.save_weights("model.weights.h5")
     """
 
-    option_names = ("cluster_resolver", "communication", "shard_optimizer", "shard_gradients", "shard_parameters")
+    option_names = (
+        "cluster_resolver",
+        "communication",
+        "shard_optimizer",
+        "shard_gradients",
+        "shard_parameters",
+        "bucket_bytes",
+    )
 
     def make_strategy(self, devices: DeviceSpec) -> tf.distribute.Strategy:
         if devices is not None:

@@ -40,7 +40,9 @@ rule (Adam, AdamW's weight decay, momentum, Nesterov...), the
 learning-rate schedule, clipping, a ``LossScaleOptimizer`` around it, sparse gradients. So the weights equal
 unsharded training.
 
-Gradient accumulation keeps its running sums on the owners too from stage 2 on (:class:`OwnedSums`).
+Gradient accumulation keeps its running sums on the owners too from stage 2 on (:class:`OwnedSums`). The gradients'
+all-reduce, the all-to-all's rounds and the return of the updated values move ``bucket_bytes`` at a time, one bucket
+in flight (:mod:`paraml.parallelism.buckets`).
 
 Checkpoints hold every slot and variable whole, by position, as for any optimizer. Across workers each worker writes
 its own slots (and, under ZeRO-3, its own weights) into its shard of the checkpoint (:mod:`paraml.loop.shards`;
@@ -72,6 +74,13 @@ from paraml.internals import (
     has_distributed_update_step,
     optimizer_strategy,
     resource_variable,
+)
+from paraml.parallelism.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    all_gather_in_buckets,
+    all_reduce_in_buckets,
+    bucket_size,
+    publish_in_buckets,
 )
 from paraml.planning.footprint import owners
 from paraml.planning.plan import zero_option
@@ -144,35 +153,10 @@ def _all_gather(
     read: Callable[[int, int], Any],
     dtype: Any,
 ) -> dict[int, Any]:
-    """Every replica's tensors, whole on every replica, by key. ``parts[r]`` names (key, shape) of what replica ``r``
-    (global index) holds; ``read(r, key)`` reads one of this worker's.
-
-    One all-gather per round: round k gathers the k-th largest tensor of each replica, flattened and padded to the
-    round's largest, so a round holds at most replicas x one tensor beyond the variables (one gather of everything
-    would hold the whole state again).
-    """
-    import tensorflow as tf
-
-    def size(shape: tuple[int, ...]) -> int:
-        return int(tf.TensorShape(shape).num_elements())
-
-    ordered = [sorted(part, key=lambda item: -size(item[1])) for part in parts]
-    whole = {}
-    for k in range(max(len(part) for part in ordered)):
-        held = [part[k] if k < len(part) else None for part in ordered]
-        longest = max(size(item[1]) if item else 0 for item in held)
-
-        def padded(context: Any, held: Any = held, longest: int = longest) -> Any:
-            item = held[context.replica_id_in_sync_group]
-            flat = tf.reshape(read(context.replica_id_in_sync_group, item[0]), [-1]) if item else tf.zeros([0], dtype)
-            short = longest - (size(item[1]) if item else 0)
-            return tf.pad(flat, [[0, short]]) if short else flat
-
-        gathered = strategy.gather(strategy.experimental_distribute_values_from_function(padded), axis=0)
-        for r, item in enumerate(held):
-            if item is not None:
-                key, shape = item
-                whole[key] = tf.reshape(gathered[r * longest : r * longest + size(shape)], shape)
+    """Every replica's tensors, whole on every replica, by key, one tensor of each replica a round
+    (:func:`paraml.parallelism.buckets.all_gather_in_buckets`)."""
+    whole: dict[int, Any] = {}
+    all_gather_in_buckets(strategy, parts, read, dtype, 0, whole.__setitem__)
     return whole
 
 
@@ -419,21 +403,28 @@ def _reduced_in_backward(variables: Sequence[Any], num_workers: int) -> set[int]
     return {id(v.value) for v in variables if not _is_copied(v.value)} if num_workers > 1 else set()
 
 
-#: The most elements one gradient sends to its owner in one all-to-all round (a larger one goes in several chunks):
-#: a round holds twice the replicas x this on each device, sent and received (32 MiB of fp32 at 4 replicas).
+#: The most elements one gradient sends to its owner in one all-to-all round (a larger one goes in several chunks),
+#: and fewer where a bucket (``bucket_bytes``) is smaller than the replicas x this: a round holds twice the replicas x
+#: a chunk on each device, sent and received.
 CHUNK = 2**20
 
 
 def _reduce_to_owners(
-    strategy: Any, devices: Sequence[str], first: int, replicas: int, grads: Sequence[tuple[Any, Any, int]]
+    strategy: Any,
+    devices: Sequence[str],
+    first: int,
+    replicas: int,
+    grads: Sequence[tuple[Any, Any, int]],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> dict[int, Any]:
     """Each of ``grads`` (a replica-local gradient of every replica, its variable, and the owner replica, global)
     summed over the replicas onto its owner, by all-to-all: ``{index in grads: sum}`` for those this worker's
     replicas own.
 
     One all-to-all per round and dtype: round k sends each owner its k-th chunk (at most :data:`CHUNK` elements of
-    one gradient, flattened, padded to the round's longest), the last variables' first (the backward pass makes
-    their gradients first); a round waits for the one before, so one round is in flight beyond the gradients.
+    one gradient, the replicas' chunks together at most ``bucket_bytes``, flattened, padded to the round's longest),
+    the last variables' first (the backward pass makes their gradients first); a round waits for the one before, so
+    one round is in flight beyond the gradients.
     """
     import tensorflow as tf
 
@@ -443,12 +434,13 @@ def _reduce_to_owners(
     pieces: dict[int, list[Any]] = {}
     previous: list[Any] = []
     for dtype in sorted({values[0].dtype for values in local}, key=str):
+        chunk = max(1, min(CHUNK, bucket_bytes // (replicas * dtype.size)))
         chunks = [  # (gradient, start, length) per owner, in the order they are sent
             [
-                (i, start, min(CHUNK, size[i] - start))
+                (i, start, min(chunk, size[i] - start))
                 for i in reversed(range(len(grads)))
                 if grads[i][2] == r and local[i][0].dtype == dtype
-                for start in range(0, max(size[i], 1), CHUNK)
+                for start in range(0, max(size[i], 1), chunk)
             ]
             for r in range(replicas)
         ]
@@ -481,30 +473,6 @@ def _reduce_to_owners(
     return reduced
 
 
-def _publish(
-    distribution: Any, devices: Sequence[str], first: int, replicas: int, num_workers: int, updated: list[Any]
-) -> None:
-    """Each of ``updated`` (a copied variable and the owner replica, global, whose copy holds its new value) made equal
-    on every replica: on one machine an assignment of the owner's copy (a broadcast), across workers one all-gather of
-    what each replica owns per dtype."""
-    import tensorflow as tf
-
-    if num_workers == 1:
-        for var, owner in updated:
-            with tf.device(devices[owner]):
-                value = tf.identity(var.values[owner])
-            var.assign(value)
-        return
-    for dtype in sorted({var.dtype for var, _ in updated}, key=str):
-        parts = [
-            [(i, tuple(var.shape)) for i, (var, o) in enumerate(updated) if o == r and var.dtype == dtype]
-            for r in range(replicas)
-        ]
-        whole = _all_gather(distribution, parts, lambda r, i: updated[i][0].values[r - first], dtype)
-        for i, value in whole.items():
-            updated[i][0].assign(value)
-
-
 def _average_and_overwrite(optimizer: Any, average: Any, variable: Any) -> None:
     """Keras' step of the average of the weights (``use_ema=True``) for one variable, where both live: ``average``
     moves towards the variable's new value, and every ``ema_overwrite_frequency`` steps the variable takes the
@@ -533,6 +501,7 @@ def sharded_optimizer(
     num_workers: int = 1,
     worker_index: int = 0,
     placed: ShardedSlots | None = None,
+    bucket_bytes: int | None = None,
 ) -> keras.optimizers.Optimizer:
     """A copy of ``optimizer`` (created in the strategy's scope, like the original) whose slots for ``variables``
     live on their owners among the replicas, and whose updates run there; each slot it makes is recorded in
@@ -543,12 +512,15 @@ def sharded_optimizer(
 
     ``devices`` are this worker's replicas (the strategy's, in its order); each of the ``num_workers`` workers has as
     many, and this one is ``worker_index``. ``placed``: where :func:`owned_variables` put the ZeRO-3 variables (across
-    workers their gradients arrive summed on the owners, :class:`GatheredWeights`).
+    workers their gradients arrive summed on the owners, :class:`GatheredWeights`). ``bucket_bytes``: the most each
+    all-reduce of the gradients and each return of the updated values moves at once (:mod:`paraml.parallelism.buckets`;
+    None: its default).
 
     Raises:
-        ValueError: for an optimizer Keras' TensorFlow backend does not step through its strategy (it has no
-            per-variable update to place), or one that clips the gradients of variables gathered across workers (it
-            clips before the reduction, which their gradients have had already).
+        ValueError: for a ``bucket_bytes`` that is not a positive number of bytes or is smaller than the largest
+            variable returned whole from its owner; for an optimizer Keras' TensorFlow backend does not step through
+            its strategy (it has no per-variable update to place), or one that clips the gradients of variables
+            gathered across workers (it clips before the reduction, which their gradients have had already).
     """
     import tensorflow as tf
 
@@ -563,6 +535,8 @@ def sharded_optimizer(
     replicas = num_workers * local
     owner_of = _variable_owners(variables, devices, first, replicas, placed)
     in_place = {id(v.value) for v in variables if not _is_copied(v.value)}  # ZeRO-3: one copy, on its owner
+    returned = [int(v.value.shape.num_elements()) * v.value.dtype.size for v in variables if _is_copied(v.value)]
+    bucket = bucket_size(bucket_bytes, max(returned, default=0), option=zero_option(stage))
     summed_already = _reduced_in_backward(variables, num_workers)
     clipping = {k: getattr(optimizer, k, None) for k in ("clipnorm", "clipvalue", "global_clipnorm")}
     if summed_already and any(v is not None for v in clipping.values()):
@@ -609,10 +583,19 @@ def sharded_optimizer(
         return stage >= 2 and grad is not None and id(var) in owner_of and not isinstance(grad, tf.IndexedSlices)
 
     def _all_reduce_sum_gradients(self: Any, grads_and_vars: Any) -> list[Any]:
+        # the dense gradients not reduced later in buckets, the sparse ones (IndexedSlices) by Keras
         grads_and_vars = list(grads_and_vars)
+        context = tf.distribute.get_replica_context()
         later = [reduced_later(g, v) for g, v in grads_and_vars]
-        now = iter(getattr(base, ALL_REDUCE_GRADIENTS)(self, [gv for gv, k in zip(grads_and_vars, later) if not k]))
-        return [gv if k else next(now) for gv, k in zip(grads_and_vars, later)]
+        dense = [
+            not k and context is not None and g is not None and not isinstance(g, tf.IndexedSlices)
+            for (g, _), k in zip(grads_and_vars, later)
+        ]
+        rest = [gv for gv, k, d in zip(grads_and_vars, later, dense) if not k and not d]
+        now = iter(getattr(base, ALL_REDUCE_GRADIENTS)(self, rest))
+        summed = iter(all_reduce_in_buckets(context, [g for (g, _), d in zip(grads_and_vars, dense) if d], bucket))
+        picked = zip(grads_and_vars, later, dense)
+        return [gv if k else (next(summed), gv[1]) if d else next(now) for gv, k, d in picked]
 
     def _apply_weight_decay(self: Any, variables: Any) -> None:
         # a variable on one device is decayed in the update step: the strategy's per-copy update takes copies only
@@ -631,7 +614,7 @@ def sharded_optimizer(
             for i, (g, v, _) in enumerate(owned)
             if g is not None and reduced_later(_one(distribution, g), v) and id(v) not in summed_already
         ]
-        to_owners = _reduce_to_owners(distribution, devices, first, replicas, [owned[i] for i in dense])
+        to_owners = _reduce_to_owners(distribution, devices, first, replicas, [owned[i] for i in dense], bucket)
         reduced = {dense[j]: value for j, value in to_owners.items()}
         updated = []  # (copied variable, owner)
         for i, (grad, var, owner) in enumerate(owned):
@@ -647,7 +630,7 @@ def sharded_optimizer(
                         _average_and_overwrite(self, averages[id(var)], var)
             if _is_copied(var):
                 updated.append((var, owner))
-        _publish(distribution, devices, first, replicas, num_workers, updated)
+        publish_in_buckets(distribution, devices, first, replicas, num_workers, updated, bucket)
 
     def finalize_variable_values(self: Any, var_list: Any) -> None:
         # Keras' end of training with use_ema: each variable on one device takes its average, on its owner

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 from paraml.checks import check_int
 from paraml.planning.partition import PartitionPlan, Stage
 from paraml.planning.schedules import Schedule
+from paraml.planning.sizes import format_bytes
 
 __all__ = ["ZERO_OPTIONS", "DeviceMesh", "Layout", "ParallelPlan", "zero_option", "zero_stage"]
 
@@ -193,6 +194,8 @@ class ParallelPlan:
         remat: Whether units recompute their activations in the backward pass.
         zero_stage: What of each trainable variable lives on one owner replica only (:mod:`paraml.parallelism.zero`):
             0 nothing, 1 its optimizer slots, 2 also its reduced gradient, 3 also the variable itself.
+        bucket_bytes: Under a ZeRO stage, the most one all-reduce of the gradients or one return of the updated values
+            moves at once, one such bucket in flight (:mod:`paraml.parallelism.buckets`; option ``bucket_bytes``).
         notes: What the planner wants the reader to know (an unbalanced unit, an observation's limits).
     """
 
@@ -204,6 +207,7 @@ class ParallelPlan:
     schedule: Schedule | None = None
     remat: bool = False
     zero_stage: int = 0
+    bucket_bytes: int = 0
     notes: tuple[str, ...] = ()
 
     @property
@@ -235,5 +239,10 @@ class ParallelPlan:
         if self.zero_stage:
             words = _ZERO_WORDS[self.zero_stage]
             lines.append(f"ZeRO-{self.zero_stage}: {words} ({zero_option(self.zero_stage)})")
+            if self.bucket_bytes:
+                lines.append(
+                    f"buckets: gradients reduced and updated values returned {format_bytes(self.bucket_bytes)} at "
+                    "a time, one bucket in flight (bucket_bytes)"
+                )
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
