@@ -199,7 +199,7 @@ class AppliedPlan:
                 num_workers=topology.num_workers,
                 worker_index=topology.worker_index,
                 placed=self.placed,
-                bucket_bytes=self.plan.bucket_bytes or None,
+                bucket_bytes=self.plan.bucket_bytes,
             )
             self.sharded = slots  # once it is accepted: a refused one leaves the previous compile's as it was
         if self.plan.stage_of() or self.split is not None:

@@ -53,8 +53,8 @@ def plan_bucket_bytes(variables: Sequence[Any], stage: int, bucket_bytes: Any) -
         return 0
     from paraml.planning.plan import zero_option
 
-    copied = [v.value for v in variables if hasattr(v.value, "values")]
-    largest = max((int(v.shape.num_elements()) * v.dtype.size for v in copied), default=0)
+    copied = [v.value for v in variables if hasattr(v.value, "values")]  # a strategy's copy per replica
+    largest = max((_nbytes(v) for v in copied), default=0)
     return bucket_size(bucket_bytes, largest, option=zero_option(stage))
 
 
@@ -198,9 +198,8 @@ def publish_in_buckets(
         return tf.group(done)
 
     if num_workers == 1:
-        sizes = [int(var.shape.num_elements()) * var.dtype.size for var, _ in updated]
         previous: list[Any] = []
-        for bucket in buckets(sizes, bucket_bytes):
+        for bucket in buckets([_nbytes(var) for var, _ in updated], bucket_bytes):
             done = []
             for var, owner in (updated[i] for i in bucket):
                 with tf.device(devices[owner]), tf.control_dependencies(previous):

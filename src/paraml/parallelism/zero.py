@@ -79,7 +79,6 @@ from paraml.parallelism.buckets import (
     DEFAULT_BUCKET_BYTES,
     all_gather_in_buckets,
     all_reduce_in_buckets,
-    bucket_size,
     publish_in_buckets,
 )
 from paraml.planning.footprint import owners
@@ -501,7 +500,7 @@ def sharded_optimizer(
     num_workers: int = 1,
     worker_index: int = 0,
     placed: ShardedSlots | None = None,
-    bucket_bytes: int | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> keras.optimizers.Optimizer:
     """A copy of ``optimizer`` (created in the strategy's scope, like the original) whose slots for ``variables``
     live on their owners among the replicas, and whose updates run there; each slot it makes is recorded in
@@ -513,14 +512,13 @@ def sharded_optimizer(
     ``devices`` are this worker's replicas (the strategy's, in its order); each of the ``num_workers`` workers has as
     many, and this one is ``worker_index``. ``placed``: where :func:`owned_variables` put the ZeRO-3 variables (across
     workers their gradients arrive summed on the owners, :class:`GatheredWeights`). ``bucket_bytes``: the most each
-    all-reduce of the gradients and each return of the updated values moves at once (:mod:`paraml.parallelism.buckets`;
-    None: its default).
+    collective of the step moves at once, as the plan resolved it (``ParallelPlan.bucket_bytes``,
+    :mod:`paraml.parallelism.buckets`).
 
     Raises:
-        ValueError: for a ``bucket_bytes`` that is not a positive number of bytes or is smaller than the largest
-            variable returned whole from its owner; for an optimizer Keras' TensorFlow backend does not step through
-            its strategy (it has no per-variable update to place), or one that clips the gradients of variables
-            gathered across workers (it clips before the reduction, which their gradients have had already).
+        ValueError: for an optimizer Keras' TensorFlow backend does not step through its strategy (it has no
+            per-variable update to place), or one that clips the gradients of variables gathered across workers (it
+            clips before the reduction, which their gradients have had already).
     """
     import tensorflow as tf
 
@@ -535,8 +533,6 @@ def sharded_optimizer(
     replicas = num_workers * local
     owner_of = _variable_owners(variables, devices, first, replicas, placed)
     in_place = {id(v.value) for v in variables if not _is_copied(v.value)}  # ZeRO-3: one copy, on its owner
-    returned = [int(v.value.shape.num_elements()) * v.value.dtype.size for v in variables if _is_copied(v.value)]
-    bucket = bucket_size(bucket_bytes, max(returned, default=0), option=zero_option(stage))
     summed_already = _reduced_in_backward(variables, num_workers)
     clipping = {k: getattr(optimizer, k, None) for k in ("clipnorm", "clipvalue", "global_clipnorm")}
     if summed_already and any(v is not None for v in clipping.values()):
@@ -593,7 +589,8 @@ def sharded_optimizer(
         ]
         rest = [gv for gv, k, d in zip(grads_and_vars, later, dense) if not k and not d]
         now = iter(getattr(base, ALL_REDUCE_GRADIENTS)(self, rest))
-        summed = iter(all_reduce_in_buckets(context, [g for (g, _), d in zip(grads_and_vars, dense) if d], bucket))
+        bucketed = [g for (g, _), d in zip(grads_and_vars, dense) if d]
+        summed = iter(all_reduce_in_buckets(context, bucketed, bucket_bytes))
         picked = zip(grads_and_vars, later, dense)
         return [gv if k else (next(summed), gv[1]) if d else next(now) for gv, k, d in picked]
 
@@ -614,7 +611,7 @@ def sharded_optimizer(
             for i, (g, v, _) in enumerate(owned)
             if g is not None and reduced_later(_one(distribution, g), v) and id(v) not in summed_already
         ]
-        to_owners = _reduce_to_owners(distribution, devices, first, replicas, [owned[i] for i in dense], bucket)
+        to_owners = _reduce_to_owners(distribution, devices, first, replicas, [owned[i] for i in dense], bucket_bytes)
         reduced = {dense[j]: value for j, value in to_owners.items()}
         updated = []  # (copied variable, owner)
         for i, (grad, var, owner) in enumerate(owned):
@@ -630,7 +627,7 @@ def sharded_optimizer(
                         _average_and_overwrite(self, averages[id(var)], var)
             if _is_copied(var):
                 updated.append((var, owner))
-        publish_in_buckets(distribution, devices, first, replicas, num_workers, updated, bucket)
+        publish_in_buckets(distribution, devices, first, replicas, num_workers, updated, bucket_bytes)
 
     def finalize_variable_values(self: Any, var_list: Any) -> None:
         # Keras' end of training with use_ema: each variable on one device takes its average, on its owner
