@@ -14,9 +14,9 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from paraml import Parallel  # noqa: E402
+from paraml import Parallel, estimate_memory  # noqa: E402
 from paraml.bench.harness import run_process  # noqa: E402
-from paraml.parallelism.buckets import DEFAULT_BUCKET_BYTES, bucket_size, buckets  # noqa: E402
+from paraml.parallelism.buckets import DEFAULT_BUCKET_BYTES, bucket_size, buckets, in_flight_bytes  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import bucket_worker  # noqa: E402
@@ -24,6 +24,7 @@ import bucket_worker  # noqa: E402
 PARAMETERS = bucket_worker.LAYERS * (bucket_worker.WIDTH**2 + bucket_worker.WIDTH) * 4
 #: How much lower than unsharded each stage's peak must be, in parameter bytes (issue 45).
 SAVED = {"shard_optimizer": 0.6, "shard_gradients": 1.0, "shard_parameters": 1.3}
+STAGE = {"shard_optimizer": 1, "shard_gradients": 2, "shard_parameters": 3}
 
 
 def small_mlp() -> keras.Model:
@@ -84,11 +85,36 @@ def test_small_buckets_train_as_unsharded_and_describe_says_so():
     assert "buckets:" not in runs["plain"][2]
 
 
+def test_the_estimate_counts_the_collectives_in_flight_of_each_stage():
+    """``estimate_memory(optimizer_shards=2, zero_stage=s)`` adds :func:`in_flight_bytes` of the bucket the plan would
+    use (the default, or ``bucket_bytes``), and refuses a bad bucket by its value; one replica has none."""
+    model = bucket_worker.model_fn()
+    kernel = bucket_worker.WIDTH**2 * 4  # the largest variable: the default bucket exactly
+    for stage in (1, 2, 3):
+        estimate = estimate_memory(model, batch_size=16, loss="mse", optimizer_shards=2, zero_stage=stage)
+        assert estimate.collectives == in_flight_bytes(stage, 2, DEFAULT_BUCKET_BYTES, PARAMETERS // 2, PARAMETERS) > 0
+        assert estimate.total == estimate.parameters + estimate.gradients + estimate.optimizer_slots + (
+            estimate.activations + estimate.collectives
+        )
+        larger = estimate_memory(
+            model, batch_size=16, loss="mse", optimizer_shards=2, zero_stage=stage, bucket_bytes=2 * kernel
+        )
+        wider = in_flight_bytes(stage, 2, 2 * kernel, PARAMETERS // 2, PARAMETERS)
+        assert larger.collectives == wider > estimate.collectives
+    assert "collectives" in str(estimate) and estimate.as_dict()["collectives"] == estimate.collectives
+    assert estimate_memory(model, batch_size=16, loss="mse").collectives == 0
+    with pytest.raises(ValueError, match=r"bucket_bytes=1000 is smaller than the largest variable \(4194304 bytes\)"):
+        estimate_memory(model, batch_size=16, loss="mse", optimizer_shards=2, bucket_bytes=1000)
+    with pytest.raises(ValueError, match="bucket_bytes must be a positive whole number of bytes, got -1"):
+        estimate_memory(model, batch_size=16, loss="mse", bucket_bytes=-1)
+
+
 @pytest.mark.slow
 def test_each_workers_peak_is_lowered_by_what_its_stage_shards(tmp_path):
     """``paraml launch -n 2``, one launch per variant: each worker's allocator peak over an epoch (its own process)
     is below unsharded's by at least 0.6x the parameter bytes with ``shard_optimizer``, 1.0x with ``shard_gradients``,
-    1.3x with ``shard_parameters``; the weights equal unsharded's (rtol 1e-5)."""
+    1.3x with ``shard_parameters``; ``estimate_memory`` of the stage is within 10% of each worker's peak; the weights
+    equal unsharded's (rtol 1e-5)."""
     script = Path(__file__).parent / "scripts" / "bucket_worker.py"
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     found = {}
@@ -104,6 +130,12 @@ def test_each_workers_peak_is_lowered_by_what_its_stage_shards(tmp_path):
         for worker in found[variant]:
             saved = (unsharded - int(worker["peak"])) / PARAMETERS
             assert saved >= fraction, (variant, saved, int(worker["peak"]), unsharded)
+    for variant, stage in STAGE.items():  # the estimate, its collectives counted, within 10% of each worker's peak
+        estimate = estimate_memory(
+            bucket_worker.model_fn(), batch_size=16, loss="mse", optimizer_shards=2, zero_stage=stage
+        )
+        for worker in found[variant]:
+            assert abs(estimate.total / int(worker["peak"]) - 1) <= 0.10, (variant, estimate.total, int(worker["peak"]))
 
     def trained(variant: str) -> list[np.ndarray]:  # the workers' checkpoint, every weight whole
         single = Parallel("single", seed=0)

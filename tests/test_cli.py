@@ -74,6 +74,12 @@ def test_estimate_prints_the_breakdown(tmp_path):
     recomputed = paraml("estimate", f"{module}:make", "--batch-size", "2", "--remat", "--optimizer-shards", "2")
     assert recomputed.returncode == 0, recomputed.stderr
     assert "note: optimizer slots of the device holding most of 2 shards" in recomputed.stdout
+    # shard_optimizer's return of the updated values: its own bucket and 2 gathered, each at most what an owner holds
+    # (the kernel's 48 bytes on one, the bias's 12 on the other)
+    assert any(line.split()[:2] == ["collectives", "144"] for line in recomputed.stdout.splitlines())
+    small = paraml("estimate", f"{module}:make", "--optimizer-shards", "2", "--bucket-bytes", "8")
+    assert small.returncode != 0
+    assert "bucket_bytes=8 is smaller than the largest variable (48 bytes)" in small.stderr
 
 
 @pytest.mark.slow

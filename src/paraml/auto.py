@@ -782,7 +782,8 @@ class AutoChoice:
                 observation=observed,
                 **sizing,
             )
-            yield settings, saved
+            # like against like: the estimate as it is does not count the unsharded all-reduce's buffers either
+            yield settings, replace(saved, collectives=0)
 
     def _rule_candidate(self, planned: dict[str, Any]) -> Candidate:
         """The layout :attr:`decision` chose by the rule, as the options its backend gets (``planned``: those of

@@ -110,6 +110,7 @@ def _estimate(ns: argparse.Namespace) -> int:
             zero_stage=ns.zero_stage,
             tensor_parallel=ns.tensor_parallel,
             sample=sample,
+            bucket_bytes=ns.bucket_bytes,
         )
     )
     return 0
@@ -179,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=(1, 2, 3),
         default=1,
         help="with --optimizer-shards: 2 also the gradients, 3 also the parameters (shard_parameters)",
+    )
+    estimate.add_argument(
+        "--bucket-bytes",
+        type=_positive,
+        metavar="B",
+        help="with --optimizer-shards: the bucket of ZeRO's collectives (Parallel's bucket_bytes; default 4 MiB)",
     )
     estimate.add_argument(
         "--tensor-parallel", type=int, default=1, metavar="T", help="layers split over T devices (per device)"

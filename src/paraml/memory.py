@@ -32,6 +32,11 @@ What :func:`estimate_memory` counts:
   unit's inputs as it makes its gradients, so those activations add what they
   exceed the gradients by (:meth:`paraml.planning.observe.Observation.activation_bytes`).
 
+* **collectives**: with ``optimizer_shards`` > 1, what ZeRO's collectives hold beyond the above while they run, in
+  buckets of ``bucket_bytes`` (:func:`paraml.parallelism.buckets.in_flight_bytes`: a round of the return of the
+  updated values, a round of the all-to-all of the gradients). Within 10% of each worker's allocator peak at every
+  stage under ``paraml launch -n 2`` (6x1024 MLP, Adam; tests/test_buckets.py).
+
 The total is the peak of one training step: within 0.85-1.15 of the allocator's
 measured peak for an MLP, keras_hub GPT-2 (also with a 32000-token vocabulary)
 and BERT, keras.applications MobileNetV2 and ResNet50 and an LSTM, with and
@@ -83,6 +88,7 @@ class MemoryEstimate:
         batch_size: Batch size the activations were computed for.
         per_layer: ``(layer name, param bytes, activation bytes)`` per layer.
         note: Caveats about the estimate (e.g. activations unknown).
+        collectives: Bytes ZeRO's collectives hold while they run (0 without ``optimizer_shards``).
 
     Example:
         >>> est = MemoryEstimate(60, 60, 120, 384, 32, (("dense", 60, 384),))
@@ -99,16 +105,17 @@ class MemoryEstimate:
     batch_size: int
     per_layer: tuple[tuple[str, int, int], ...] = ()
     note: str = ""
+    collectives: int = 0
 
     @property
     def total(self) -> int:
-        """Sum of parameters, gradients, optimizer slots and activations.
+        """Sum of parameters, gradients, optimizer slots, activations and collectives.
 
         Example:
             >>> MemoryEstimate(1, 2, 3, 4, batch_size=8).total
             10
         """
-        return self.parameters + self.gradients + self.optimizer_slots + self.activations
+        return self.parameters + self.gradients + self.optimizer_slots + self.activations + self.collectives
 
     def as_dict(self) -> dict[str, Any]:
         """The estimate as a plain dict (``per_layer`` as a list of dicts).
@@ -122,6 +129,7 @@ class MemoryEstimate:
             "gradients": self.gradients,
             "optimizer_slots": self.optimizer_slots,
             "activations": self.activations,
+            "collectives": self.collectives,
             "total": self.total,
             "batch_size": self.batch_size,
             "per_layer": [{"layer": name, "param_bytes": p, "activation_bytes": a} for name, p, a in self.per_layer],
@@ -134,6 +142,7 @@ class MemoryEstimate:
             ("gradients", self.gradients),
             ("optimizer slots", self.optimizer_slots),
             ("activations", self.activations),
+            *([("collectives", self.collectives)] if self.collectives else []),
             ("total", self.total),
         ]
         w_name = max(len(r[0]) for r in rows)
@@ -218,6 +227,7 @@ def estimate_memory(
     observation: Observation | None = None,
     loss: Any = None,
     targets: Any = None,
+    bucket_bytes: int | None = None,
 ) -> MemoryEstimate:
     """Estimate the memory needed to train ``model`` (see the module docstring).
 
@@ -258,10 +268,12 @@ def estimate_memory(
             tensor for its gradient.
         targets: A batch of targets matching ``sample``; None: zero targets of the loss's kind (the bytes do not
             depend on the values).
+        bucket_bytes: With ``optimizer_shards`` > 1, the bucket of ZeRO's collectives as ``Parallel(...,
+            bucket_bytes=)`` takes it (None: the default, :mod:`paraml.parallelism.buckets`), for ``collectives``.
 
     Raises:
-        ValueError: for a model it cannot measure (:func:`unmeasurable_reason` says why), a bad batch size or an
-            unknown optimizer.
+        ValueError: for a model it cannot measure (:func:`unmeasurable_reason` says why), a bad batch size, an
+            unknown optimizer or a bad ``bucket_bytes``.
 
     Example:
         >>> import keras
@@ -284,6 +296,9 @@ def estimate_memory(
         )
     if not isinstance(remat, bool):
         raise ValueError(f"remat must be True or False, got {remat!r}")
+    from paraml.parallelism.buckets import check_bucket_bytes
+
+    check_bucket_bytes(bucket_bytes, zero_stage if optimizer_shards > 1 else 0)  # before anything is measured
     owned_parameters = zero_stage == 3 and optimizer_shards > 1
     remat = remat or owned_parameters  # ZeRO-3 reads each unit's weights again in its recomputed backward pass
     tensor_parallel = check_int("tensor_parallel", tensor_parallel)
@@ -336,7 +351,23 @@ def estimate_memory(
         batch_size=batch_size,
         per_layer=tuple((c.name, c.param_bytes, c.activation_bytes) for c in costs),
         note="; ".join(notes),
+        collectives=_collective_bytes(trainable, optimizer_shards, zero_stage, bucket_bytes),
     )
+
+
+def _collective_bytes(trainable: list[Any], shards: int, stage: int, bucket_bytes: int | None) -> int:
+    """:func:`paraml.parallelism.buckets.in_flight_bytes` of ZeRO ``stage`` over ``shards`` replicas, its bucket as
+    the plan resolves it (:func:`paraml.parallelism.buckets.bucket_size`); 0 for ``shards`` 1."""
+    from paraml.parallelism.buckets import bucket_size, in_flight_bytes
+    from paraml.planning.plan import zero_option
+
+    if shards == 1:
+        return 0
+    sizes = [variable_bytes([v]) for v in trainable]
+    # under shard_parameters no trainable variable is copied: none returns whole (plan_bucket_bytes)
+    bucket = bucket_size(bucket_bytes, 0 if stage == 3 else max(sizes, default=0), option=zero_option(stage))
+    owned = round(sum(sizes) * largest_owner_share(sizes, shards))
+    return in_flight_bytes(stage, shards, bucket, owned, sum(sizes))
 
 
 def _slot_bytes(optimizer: Any, trainable: list[Any], exact: bool, shards: int, notes: list[str]) -> int:

@@ -25,6 +25,7 @@ __all__ = [
     "all_reduce_in_buckets",
     "bucket_size",
     "buckets",
+    "in_flight_bytes",
     "publish_in_buckets",
 ]
 
@@ -77,6 +78,31 @@ def bucket_size(bucket_bytes: Any, largest_variable_bytes: int, *, option: str) 
             "leave it out"
         )
     return bucket_bytes
+
+
+def in_flight_bytes(stage: int, replicas: int, bucket_bytes: int, owned_bytes: int, gradient_bytes: int) -> int:
+    """What one replica of ZeRO ``stage`` (over ``replicas``) holds for the step's collectives beyond its state, its
+    whole gradients and its activations (:func:`paraml.memory.estimate_memory` counts it as ``collectives``); a
+    replica's bucket holds at most what it owns (``owned_bytes``, the most any owner has), a bucket of gradients at
+    most all of them (``gradient_bytes``):
+
+    - stage 1: its gradients are summed bucket by bucket in place of themselves; a round of the return of the updated
+      values holds its own bucket and the replicas' buckets gathered: ``replicas + 1`` buckets;
+    - stage 2: that round, and an all-to-all round of the gradients (a bucket sent, one received);
+    - stage 3: the parameters are gathered where their unit runs (counted with the parameters) and, across workers,
+      the gradients reach their owners reduced by that gather's backward pass: one bucket.
+
+    Checked against each worker's allocator peak under ``paraml launch -n 2`` (tests/test_buckets.py; the guide's
+    table has a second model).
+
+    >>> [in_flight_bytes(stage, 2, 4, 100, 200) for stage in (1, 2, 3)], in_flight_bytes(1, 2, 4, 1, 2)
+    ([12, 20, 4], 3)
+    """
+    if stage not in (1, 2, 3):
+        raise ValueError(f"stage must be 1, 2 or 3 (shard_optimizer, shard_gradients, shard_parameters), got {stage!r}")
+    gradients = min(bucket_bytes, gradient_bytes)  # a bucket of gradients
+    returned = (replicas + 1) * min(bucket_bytes, owned_bytes)
+    return {1: returned, 2: returned + 2 * gradients, 3: gradients}[stage]
 
 
 def buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
