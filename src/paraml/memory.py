@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from paraml.checks import check_int
+from paraml.parallelism.buckets import check_bucket_bytes, in_flight_bytes, stage_bucket_bytes
 from paraml.planning.footprint import held_bytes, largest_owner_share
 from paraml.planning.observe import Observation, observation_notes, observe_units, unit_costs, variable_bytes
 from paraml.planning.optimizers import optimizer_slots_per_param, slot_bytes
@@ -296,8 +297,6 @@ def estimate_memory(
         )
     if not isinstance(remat, bool):
         raise ValueError(f"remat must be True or False, got {remat!r}")
-    from paraml.parallelism.buckets import check_bucket_bytes
-
     check_bucket_bytes(bucket_bytes, zero_stage if optimizer_shards > 1 else 0)  # before anything is measured
     owned_parameters = zero_stage == 3 and optimizer_shards > 1
     remat = remat or owned_parameters  # ZeRO-3 reads each unit's weights again in its recomputed backward pass
@@ -357,15 +356,12 @@ def estimate_memory(
 
 def _collective_bytes(trainable: list[Any], shards: int, stage: int, bucket_bytes: int | None) -> int:
     """:func:`paraml.parallelism.buckets.in_flight_bytes` of ZeRO ``stage`` over ``shards`` replicas, its bucket as
-    the plan resolves it (:func:`paraml.parallelism.buckets.bucket_size`); 0 for ``shards`` 1."""
-    from paraml.parallelism.buckets import bucket_size, in_flight_bytes
-    from paraml.planning.plan import zero_option
-
+    the plan resolves it (:func:`paraml.parallelism.buckets.stage_bucket_bytes`); 0 for ``shards`` 1."""
     if shards == 1:
         return 0
     sizes = [variable_bytes([v]) for v in trainable]
     # under shard_parameters no trainable variable is copied: none returns whole (plan_bucket_bytes)
-    bucket = bucket_size(bucket_bytes, 0 if stage == 3 else max(sizes, default=0), option=zero_option(stage))
+    bucket = stage_bucket_bytes(stage, [] if stage == 3 else sizes, bucket_bytes)
     owned = round(sum(sizes) * largest_owner_share(sizes, shards))
     return in_flight_bytes(stage, shards, bucket, owned, sum(sizes))
 

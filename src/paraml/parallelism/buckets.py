@@ -27,6 +27,7 @@ __all__ = [
     "buckets",
     "in_flight_bytes",
     "publish_in_buckets",
+    "stage_bucket_bytes",
 ]
 
 #: The bucket when ``bucket_bytes`` is not given (PyTorch DDP's ``bucket_cap_mb`` is 25 MB): widened to the largest
@@ -49,14 +50,19 @@ def check_bucket_bytes(bucket_bytes: Any, stage: int) -> None:
 
 def plan_bucket_bytes(variables: Sequence[Any], stage: int, bucket_bytes: Any) -> int:
     """The bucket a plan of ZeRO ``stage`` uses for a model's trainable ``variables`` (Keras variables), 0 without a
-    stage: :func:`bucket_size` against the largest variable that has a copy per replica (the ones returned whole)."""
+    stage: :func:`stage_bucket_bytes` of those that have a copy per replica (the ones returned whole)."""
+    copied = [v.value for v in variables if hasattr(v.value, "values")]  # a strategy's copy per replica
+    return stage_bucket_bytes(stage, [_nbytes(v) for v in copied], bucket_bytes)
+
+
+def stage_bucket_bytes(stage: int, returned_bytes: Sequence[int], bucket_bytes: Any) -> int:
+    """The bucket of ZeRO ``stage`` (0 without one): :func:`bucket_size` against the largest of ``returned_bytes``,
+    the bytes of each variable returned whole from its owner."""
     if not stage:
         return 0
     from paraml.planning.plan import zero_option
 
-    copied = [v.value for v in variables if hasattr(v.value, "values")]  # a strategy's copy per replica
-    largest = max((_nbytes(v) for v in copied), default=0)
-    return bucket_size(bucket_bytes, largest, option=zero_option(stage))
+    return bucket_size(bucket_bytes, max(returned_bytes, default=0), option=zero_option(stage))
 
 
 def bucket_size(bucket_bytes: Any, largest_variable_bytes: int, *, option: str) -> int:
